@@ -1,0 +1,47 @@
+"""The `flashdraft` command line: one subcommand per module in `flashdraft/commands/`.
+
+Every command is a thin layer over the library; each module defines `register(subparsers)`, which adds its
+parser and sets `func` to the function that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "flashdraft.commands.generate",
+)
+
+
+class CommandError(Exception):
+    """An error whose message is meant for the user: printed without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashdraft",
+        description="Lossless speculative decoding with DFlash block-diffusion drafts.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (CommandError, ValueError, FileNotFoundError) as error:
+        # Library errors are written to name the problem and the fix; a traceback would bury that.
+        print(f"flashdraft {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

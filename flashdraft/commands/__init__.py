@@ -1,0 +1,1 @@
+"""One module per `flashdraft` subcommand; each defines `register(subparsers)`."""
