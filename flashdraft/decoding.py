@@ -1,0 +1,306 @@
+"""The speculative decoding loop: prefill -> propose -> verify -> accept -> roll back.
+
+`stream()` runs the loop as a generator that yields the tokens of each round; `generate()` consumes it. The
+same loop with a block size of 1 is plain autoregressive decoding (no proposals, one target token per round).
+Batch size 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .draft import DFlashDraftModel
+from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from .target import TargetModel
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced and how fast. Filled in as the loop runs."""
+
+    tokens: list[int] = field(default_factory=list)  # new tokens only, prompt excluded
+    acceptance_lengths: list[int] = field(default_factory=list)  # per round: accepted proposals + bonus
+    prefill_seconds: float = 0.0  # prompt forward until the first new token is known
+    decode_seconds: float = 0.0  # every round after that
+    stop_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), or None while running
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens per target verification."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.prefill_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput: the tokens produced by rounds (all but the prefill's) per decode second."""
+        decoded = len(self.tokens) - 1
+        return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
+
+
+class Proposer(Protocol):
+    """What the loop needs from a draft: logits for the B-1 positions after an anchor.
+
+    `context` holds the target features of the positions verified since the last call (the prompt on the
+    first call), which end right before the anchor at position `start`.
+    """
+
+    target_layer_ids: list[int] | None
+
+    def begin(self, max_positions: int) -> None: ...
+
+    def propose(
+        self, anchor: torch.Tensor, context: torch.Tensor | None, start: int, block_size: int
+    ) -> torch.Tensor: ...  # [block_size - 1, V]
+
+
+class DFlashProposer:
+    """Drafts a block with a DFlash draft: [anchor, mask, ..., mask] in one non-causal pass."""
+
+    def __init__(self, draft: DFlashDraftModel, target: TargetModel):
+        check_compatible(draft, target)
+        self.draft = draft
+        self.target = target
+        self.target_layer_ids = draft.target_layer_ids
+
+    def begin(self, max_positions: int) -> None:
+        device = self.target.device
+        self.cache = DynamicCache()  # verified context K/V only: cropped back after every block
+        self.positions = torch.arange(max_positions, device=device)[None]
+        self.mask_ids = torch.full((1, max_positions), self.draft.mask_token_id, device=device)
+
+    @torch.no_grad()
+    def propose(self, anchor, context, start, block_size):
+        block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
+        first_position = start - context.shape[1]
+        hidden = self.draft(
+            self.target.embed(block), context, self.positions[:, first_position : start + block_size], self.cache
+        )
+        self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
+        return self.target.head(hidden[:, 1:])[0]  # the anchor's output is dropped
+
+
+def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:
+    """Fail fast, naming the mismatch, when a draft cannot serve this target."""
+    config = draft.config
+    if config.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"draft expects target hidden size {config.hidden_size}, target has {target.hidden_size}: "
+            "train or pick a draft for this target"
+        )
+    if config.num_target_layers != target.num_layers:
+        raise ValueError(
+            f"draft was made for a target with {config.num_target_layers} layers, target has {target.num_layers}: "
+            "train or pick a draft for this target"
+        )
+    bad = [i for i in draft.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ValueError(
+            f"draft reads target layers {bad}, but the target has layers 0..{target.num_layers - 1} only"
+        )
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise ValueError(
+            f"draft mask token id {draft.mask_token_id} is outside the target's vocabulary of {target.vocab_size}"
+        )
+
+
+class TokenStream:
+    """Iterate to get the tokens of each round as lists; `result` holds the statistics so far (final once the
+    iteration ends). `close()` (or leaving a `with` block) stops generation early."""
+
+    def __init__(self, rounds: Iterator[list[int]], result: GenerationResult):
+        self._rounds = rounds
+        self.result = result
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._rounds
+
+    def close(self) -> None:
+        self._rounds.close()
+
+    def __enter__(self) -> "TokenStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def stream(
+    target: PreTrainedModel | TargetModel,
+    draft: DFlashDraftModel | Proposer | None,
+    input_ids: torch.Tensor | Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    block_size: int | None = None,
+    seed: int | None = None,
+) -> TokenStream:
+    """Speculative decoding of `target` with `draft`, yielding the tokens of each round as it finishes.
+
+    Lossless: at temperature 0 the tokens are the target's greedy continuation; above it they follow the
+    target's own sampling distribution (temperature, then top-k, then top-p). `block_size` defaults to the
+    draft's; 1 (or no draft) is plain autoregressive decoding. `seed` makes sampling reproducible.
+    """
+    target = target if isinstance(target, TargetModel) else TargetModel(target)
+    params = SamplingParams(temperature, top_p, top_k)
+    if isinstance(draft, DFlashDraftModel):
+        draft = DFlashProposer(draft, target)
+    if block_size is None:
+        block_size = getattr(getattr(draft, "draft", None), "block_size", 1) if draft is not None else 1
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size}")
+    if block_size > 1 and draft is None:
+        raise ValueError(f"block_size {block_size} needs a draft; pass a draft or use block_size=1")
+    prompt = _prompt_tensor(input_ids, target)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
+    limit = target.max_positions
+    if limit is not None and prompt.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the target's "
+            f"maximum of {limit} positions: shorten the prompt or lower max_new_tokens"
+        )
+    generator = None
+    if not params.greedy:
+        generator = torch.Generator(device=target.device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+    result = GenerationResult()
+    rounds = _decode(
+        target, draft, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()), block_size, generator, result
+    )
+    return TokenStream(rounds, result)
+
+
+def generate(target, draft, input_ids, **kwargs) -> GenerationResult:
+    """`stream()` run to the end; same arguments. Returns the tokens and the statistics."""
+    tokens = stream(target, draft, input_ids, **kwargs)
+    for _ in tokens:
+        pass
+    return tokens.result
+
+
+def _prompt_tensor(input_ids, target: TargetModel) -> torch.Tensor:
+    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=target.device)
+    if prompt.dim() == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if prompt.dim() != 1:
+        raise ValueError(f"input_ids must be one sequence (batch size 1), got shape {list(prompt.shape)}")
+    if prompt.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= target.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {target.vocab_size}), the target's vocabulary")
+    return prompt[None]
+
+
+def _decode(
+    target: TargetModel,
+    proposer: Proposer | None,
+    prompt: torch.Tensor,  # [1, P]
+    max_new_tokens: int,
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+    block_size: int,
+    generator: torch.Generator | None,
+    result: GenerationResult,
+) -> Iterator[list[int]]:
+    if max_new_tokens == 0:
+        result.stop_reason = "length"
+        return
+    prompt_length = prompt.shape[1]
+    max_positions = prompt_length + max_new_tokens
+    speculate = block_size > 1
+    layer_ids = proposer.target_layer_ids if speculate else None
+    positions = torch.arange(max_positions, device=target.device)[None]
+    cache = target.new_cache()
+    if speculate:
+        proposer.begin(max_positions)
+
+    # 1. Prefill: the prompt's KV cache, its features (the draft's first context) and the first new token.
+    began = time.perf_counter()
+    logits, context = target.forward(prompt, positions[:, :prompt_length], cache, layer_ids, logits_to_keep=1)
+    anchor = _pick(logits[0], params, generator)  # [1]
+    first = anchor.item()
+    result.prefill_seconds = time.perf_counter() - began
+    began = time.perf_counter()
+    emitted, going_on = _emit([first], result, stop_ids, max_new_tokens)
+    yield emitted
+    if not going_on:
+        return
+
+    start = prompt_length  # position of the anchor: the last emitted token, not yet in the target's cache
+    no_proposals = torch.empty(0, dtype=torch.long, device=target.device)
+    while True:
+        # 2. Propose: B-1 tokens after the anchor (none when B == 1), never more than the budget needs.
+        size = min(block_size, max_new_tokens - len(result.tokens))
+        proposals, q = no_proposals, None
+        if size > 1:
+            draft_logits = proposer.propose(anchor, context, start, size)  # [B-1, V]
+            if params.greedy:
+                proposals = draft_logits.argmax(dim=-1)
+            else:
+                q = probabilities(draft_logits, params)
+                proposals = sample(q, generator)
+        elif not params.greedy:
+            q = logits.new_empty(0, target.vocab_size)
+
+        # 3. Verify: one target forward over [anchor, proposals] at their true positions.
+        block = torch.cat([anchor, proposals])[None]  # [1, B]
+        logits, features = target.forward(block, positions[:, start : start + size], cache, layer_ids)
+
+        # 4. Accept: the longest valid prefix plus the target's own bonus token; one host sync per round.
+        if params.greedy:
+            accepted, bonus = accept_greedy(proposals, logits[0])
+        else:
+            accepted, bonus = accept_sampled(proposals, q, probabilities(logits[0], params), generator)
+        values = torch.cat([accepted.view(1), proposals, bonus.view(1)]).tolist()
+        num_accepted = values[0]
+        new_tokens = values[1 : 1 + num_accepted] + [values[-1]]
+
+        # 5. Roll back: the target's cache keeps the anchor and the accepted proposals; their features are
+        #    the draft's next context; the bonus token is the next anchor.
+        target.rollback(cache, size - (num_accepted + 1))
+        if features is not None:
+            context = features[:, : num_accepted + 1]
+        anchor = bonus.view(1)
+        start += num_accepted + 1
+        result.acceptance_lengths.append(num_accepted + 1)
+        emitted, going_on = _emit(new_tokens, result, stop_ids, max_new_tokens)
+        result.decode_seconds = time.perf_counter() - began
+        yield emitted
+        if not going_on:
+            return
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
+    """[1, V] logits -> [1] token: argmax, or a draw from the warped distribution."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample(probabilities(logits, params), generator)
+
+
+def _emit(
+    new_tokens: list[int], result: GenerationResult, stop_ids: frozenset[int], max_new_tokens: int
+) -> tuple[list[int], bool]:
+    """Append what may be emitted of a round's tokens: up to and including a stop token, within the budget.
+    Returns (the emitted tokens, whether generation goes on)."""
+    emitted = new_tokens[: max_new_tokens - len(result.tokens)]
+    for i, token in enumerate(emitted):
+        if token in stop_ids:
+            emitted = emitted[: i + 1]
+            result.stop_reason = "stop"
+            break
+    result.tokens.extend(emitted)
+    if result.stop_reason is None and len(result.tokens) >= max_new_tokens:
+        result.stop_reason = "length"
+    return emitted, result.stop_reason is None

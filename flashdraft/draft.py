@@ -1,0 +1,359 @@
+"""The DFlash draft network: KV-injection attention, its decoder layers, and `DFlashDraftModel`.
+
+The draft proposes a whole block of tokens in one non-causal forward pass. Its queries come from the block
+only (the anchor token followed by mask tokens, embedded with the target's own embedding table); its keys
+and values are the same projections applied to [context features ; block], where the context features are
+the target's hidden states, projected once by `fc` + `hidden_norm` (SPEC section 1, seeds/000).
+
+The checkpoint is a Qwen3-shaped Hugging Face folder (SPEC section 2): `architectures: ["DFlashDraftModel"]`,
+`model_type: "qwen3"`, `block_size`, `num_target_layers` and `dflash_config: {mask_token_id,
+target_layer_ids}`; weights named `layers.{i}...`, `norm`, `fc`, `hidden_norm`. There is no embedding table
+and no lm_head: the target's are used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers a draft reads by default (SPEC section 1).
+
+    One draft layer reads the middle target layer; otherwise `num_draft_layers` ids spread evenly with
+    round() from layer 1 to layer T-3 (Qwen3-8B, T=36, N=5: [1, 9, 17, 25, 33]).
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    span = last - first
+    return [round(first + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def apply_window_rotary(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE over a window of keys where the queries are the window's last positions.
+
+    query [b, h, q, dh], key [b, hk, k, dh], cos/sin [b, k, dh] for every key position: each key sits at its
+    true absolute position and the queries take the last q of them (the block).
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_len = query.shape[-2]
+    query = query * cos[..., -q_len:, :] + rotate_half(query) * sin[..., -q_len:, :]
+    key = key * cos + rotate_half(key) * sin
+    return query, key
+
+
+class DFlashAttention(nn.Module):
+    """KV-injection attention: block queries attend, non-causally, to [context ; block] keys and values."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False  # every block position sees the whole context and the whole block
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if is_sliding else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [b, q, d] the block
+        context: torch.Tensor,  # [b, c, d] projected target features of the new context positions
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos, sin [b, c + q, dh]
+        attention_mask: torch.Tensor | None,  # bool [b, 1, q, cached + c + q] or None
+        cache: Cache | None,
+    ) -> torch.Tensor:
+        batch, q_len, _ = hidden_states.shape
+        window = torch.cat([context, hidden_states], dim=1)  # [b, c + q, d]
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(window).view(batch, window.shape[1], -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(window).view(batch, window.shape[1], -1, self.head_dim).transpose(1, 2)
+        query, key = apply_window_rotary(query, key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        output, _ = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            is_causal=False,
+        )
+        return self.o_proj(output.reshape(batch, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm transformer layer whose attention is `DFlashAttention`; the context is not normed here
+    (it was normed once by `hidden_norm`) and produces no output of its own."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask, cache):
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """A DFlash block-diffusion draft model (SPEC sections 1-2)."""
+
+    config_class = Qwen3Config
+    base_model_prefix = ""
+    main_input_name = "noise_embedding"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        validate_draft_config(config)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        num_features = len(config.dflash_config["target_layer_ids"])
+        self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.dflash_config["mask_token_id"]
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.config.dflash_config["target_layer_ids"])
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[b, c, k*d] concatenated target features -> [b, c, d] context signal shared by all layers."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,  # [b, q, d] block tokens embedded by the target
+        target_hidden: torch.Tensor,  # [b, c, k*d] raw target features of the new context positions
+        position_ids: torch.Tensor,  # [b, c + q] positions of the new context keys, then of the block
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,  # bool [b, 1, q, cached + c + q], True = visible
+    ) -> torch.Tensor:
+        context = self.project_context(target_hidden)
+        position_embeddings = self.rotary_emb(noise_embedding, position_ids)
+        # A caller's mask (training: one forward over many blocks) applies to every layer; otherwise only
+        # sliding layers need one.
+        sliding_mask = attention_mask
+        if attention_mask is None:
+            sliding_mask = self._sliding_window_mask(position_ids, noise_embedding.shape[1], cache)
+        hidden_states = noise_embedding
+        for layer in self.layers:
+            mask = sliding_mask if layer.self_attn.sliding_window is not None else attention_mask
+            hidden_states = layer(hidden_states, context, position_embeddings, mask, cache)
+        return self.norm(hidden_states)
+
+    def _sliding_window_mask(self, position_ids, q_len, cache) -> torch.Tensor | None:
+        """For sliding layers: a block query at position p sees context keys at k with p - k < window, and the
+        whole block. Only built when some layer slides and the window can actually cut something off."""
+        window = self.config.sliding_window
+        if window is None or "sliding_attention" not in self.config.layer_types:
+            return None
+        cached = cache.get_seq_length() if cache is not None else 0
+        if cached + position_ids.shape[1] <= window:
+            return None
+        # Cached keys are the contiguous positions 0..cached-1 (the decoding loop only caches verified context).
+        key_positions = torch.cat(
+            [torch.arange(cached, device=position_ids.device).expand(position_ids.shape[0], -1), position_ids], 1
+        )
+        query_positions = position_ids[:, -q_len:]
+        mask = query_positions[:, :, None] - key_positions[:, None, :] < window  # [b, q, keys]
+        mask[:, :, -q_len:] = True
+        return mask[:, None]
+
+    # ---------------------------------------------------------------- construction and checkpoints
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: PretrainedConfig,
+        *,
+        num_layers: int = 1,
+        block_size: int = 16,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+        intermediate_size: int | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> "DFlashDraftModel":
+        """A fresh, randomly initialised draft shaped for `target_config` (hidden size, heads, RoPE, vocab)."""
+        target_config = target_config.get_text_config()
+        num_target_layers = target_config.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        heads = target_config.num_attention_heads
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+        rope_parameters = getattr(target_config, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(target_config, "rope_theta", 10000.0),
+        }
+        config = Qwen3Config(
+            vocab_size=target_config.vocab_size,
+            hidden_size=target_config.hidden_size,
+            intermediate_size=intermediate_size or target_config.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            hidden_act=getattr(target_config, "hidden_act", "silu"),
+            max_position_embeddings=target_config.max_position_embeddings,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope_parameters),
+            tie_word_embeddings=False,
+            architectures=[DRAFT_ARCHITECTURE],
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        )
+        config._attn_implementation = attn_implementation
+        return cls(config)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "DFlashDraftModel":
+        """Load a DFlash draft folder (or hub id). Local folders are checked first so that a wrong folder gets
+        an error naming the problem rather than a silently half-initialised model."""
+        path = Path(pretrained_model_name_or_path)
+        if path.is_dir():
+            check_draft_folder(path)
+        kwargs.setdefault("attn_implementation", "sdpa")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        self.config.architectures = [DRAFT_ARCHITECTURE]
+        super().save_pretrained(save_directory, *args, **kwargs)
+        # Serving engines and older readers take RoPE from the flat `rope_theta` key; transformers 5 writes
+        # only `rope_parameters`. Write both so every reader sees the same frequencies.
+        config_file = Path(save_directory) / "config.json"
+        raw = json.loads(config_file.read_text())
+        rope = raw.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            raw["rope_theta"] = rope["rope_theta"]
+            if rope.get("rope_type", "default") != "default":
+                raw["rope_scaling"] = rope
+            config_file.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+
+def validate_draft_config(config: PretrainedConfig) -> None:
+    """Raise a ValueError naming what is missing when `config` is not a DFlash draft config."""
+    dflash = getattr(config, "dflash_config", None)
+    if not isinstance(dflash, dict) or "mask_token_id" not in dflash or "target_layer_ids" not in dflash:
+        raise ValueError(
+            "not a DFlash draft config: it needs `dflash_config: {\"mask_token_id\": ..., \"target_layer_ids\": [...]}`"
+        )
+    for key in ("block_size", "num_target_layers"):
+        if not isinstance(getattr(config, key, None), int):
+            raise ValueError(f"not a DFlash draft config: missing integer field `{key}`")
+    if config.block_size < 1:
+        raise ValueError(f"draft block_size must be >= 1, got {config.block_size}")
+    if not dflash["target_layer_ids"]:
+        raise ValueError("draft dflash_config.target_layer_ids is empty: the draft must read at least one target layer")
+
+
+def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every weight name of the checkpoint format (SPEC section 2) with its shape."""
+    d, dh = config.hidden_size, config.head_dim
+    q, kv, ff = config.num_attention_heads * dh, config.num_key_value_heads * dh, config.intermediate_size
+    shapes = {
+        "fc.weight": (d, len(config.dflash_config["target_layer_ids"]) * d),
+        "hidden_norm.weight": (d,),
+        "norm.weight": (d,),
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "self_attn.q_norm.weight": (dh,),
+            p + "self_attn.k_norm.weight": (dh,),
+            p + "mlp.gate_proj.weight": (ff, d),
+            p + "mlp.up_proj.weight": (ff, d),
+            p + "mlp.down_proj.weight": (d, ff),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+    return shapes
+
+
+def check_draft_folder(folder: Path) -> None:
+    """Check a draft folder's config and the names and shapes of its safetensors weights."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} is not a draft folder: it has no config.json")
+    raw = json.loads(config_file.read_text())
+    if DRAFT_ARCHITECTURE not in (raw.get("architectures") or []):
+        raise ValueError(
+            f"{config_file} is not a DFlash draft: architectures is {raw.get('architectures')}, "
+            f"expected [\"{DRAFT_ARCHITECTURE}\"]"
+        )
+    config = Qwen3Config.from_pretrained(folder)
+    validate_draft_config(config)
+    weight_files = sorted(folder.glob("*.safetensors"))
+    if not weight_files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
+    found: dict[str, tuple[int, ...]] = {}
+    for weight_file in weight_files:
+        with safe_open(os.fspath(weight_file), framework="pt") as f:
+            for name in f.keys():
+                found[name] = tuple(f.get_slice(name).get_shape())
+    expected = expected_weight_shapes(config)
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ValueError(f"draft checkpoint {folder} is missing weights: {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise ValueError(
+                f"draft checkpoint {folder}: weight {name} has shape {list(found[name])}, "
+                f"the config implies {list(shape)}"
+            )

@@ -1,0 +1,99 @@
+"""From logits to tokens, and the acceptance rules of verification, as pure functions over tensors.
+
+Terms, used the same way everywhere: p is the target's distribution, q the draft's; a round verifies B-1
+*proposals*; the *accepted* ones are the longest prefix the rule keeps; the *bonus* token is the target's
+own token after them (the correction at the first rejection, or one more token when all are accepted), so a
+round always yields accepted + 1 tokens.
+
+Sampling (temperature > 0) uses rejection sampling (Leviathan et al. 2023; Chen et al. 2023): proposals are
+drawn from q, proposal x is accepted with probability min(1, p(x) / q(x)), a rejection is replaced by a draw
+from norm(max(0, p - q)), and the bonus after a fully accepted block is drawn from p. The emitted sequence
+then follows p exactly. p and q are the target's and the draft's logits warped by the same temperature,
+top-k and top-p, with transformers' own warpers, so p is exactly what `target.generate(do_sample=True)` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is shaped. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def warpers(self) -> LogitsProcessorList:
+        # Same order as transformers' generate: temperature, then top-k, then top-p.
+        warpers = LogitsProcessorList()
+        if self.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k > 0:
+            warpers.append(TopKLogitsWarper(self.top_k))
+        if self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(self.top_p))
+        return warpers
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, V] logits -> [n, V] float32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float()
+    warped = params.warpers()(None, logits)
+    return torch.softmax(warped, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[n, V] probabilities -> [n] token ids."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification.
+
+    proposals [B-1]; target_logits [B, V] at the anchor and each proposal. Returns (accepted: 0-d tensor, the
+    longest prefix where proposal i equals the target's argmax after position i-1; bonus: 0-d tensor, the
+    target's argmax after the last accepted token).
+    """
+    choice = target_logits.argmax(dim=-1)  # [B]
+    accepted = (proposals == choice[:-1]).cumprod(dim=0).sum()
+    return accepted, choice[accepted]
+
+
+def accept_sampled(
+    proposals: torch.Tensor,  # [B-1] drawn from q
+    q: torch.Tensor,  # [B-1, V] draft probabilities the proposals were drawn from
+    p: torch.Tensor,  # [B, V] target probabilities at the anchor and each proposal
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection-sampling verification (see the module docstring). Returns (accepted, bonus) 0-d tensors."""
+    p_proposed = p[:-1].gather(1, proposals[:, None]).squeeze(1)
+    q_proposed = q.gather(1, proposals[:, None]).squeeze(1)
+    u = torch.rand(proposals.shape, generator=generator, device=p.device)
+    accepted = (u * q_proposed <= p_proposed).cumprod(dim=0).sum()
+    # Row i < B-1: the distribution a rejection at i is resampled from; row B-1: p itself (all accepted).
+    residual = (p[:-1] - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:-1])  # p == q: never rejected
+    bonus = sample(torch.cat([residual, p[-1:]])[accepted][None], generator)[0]
+    return accepted, bonus

