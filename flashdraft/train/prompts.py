@@ -5,6 +5,8 @@ A prompt file holds one JSON object per line, either a chat or a plain prompt:
     {"messages": [{"role": "user", "content": "..."}, ...], "id": "optional", "response": "optional"}
     {"prompt": "...", "id": "optional", "response": "optional"}
 
+An optional "source" field names where a prompt came from (files written by `write_prompt_file` keep it).
+
 A chat whose last message is the assistant's keeps that message as the prompt's `response` (existing text that
 `flashdraft.train.labels` can label with the target); regeneration ignores it and lets the target answer.
 """
@@ -66,12 +68,16 @@ class PromptFile:
 
 
 def parse_prompt_record(record: object, default_id: str, source: str = "file") -> Prompt:
-    """One decoded JSON object -> Prompt. Raises ValueError naming what is wrong with it."""
+    """One decoded JSON object -> Prompt; its own "source" field, if any, wins over `source`. Raises ValueError
+    naming what is wrong with it."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     prompt_id = record.get("id", default_id)
     if not isinstance(prompt_id, (str, int)) or isinstance(prompt_id, bool):
         raise ValueError('"id" must be a string or an integer')
+    source = record.get("source", source)
+    if not isinstance(source, str) or not source:
+        raise ValueError('"source" must be a non-empty string')
     response = record.get("response")
     if response is not None and not isinstance(response, str):
         raise ValueError('"response" must be a string')

@@ -114,10 +114,10 @@ class ShardWriter:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.lock = FileLock(str(self.folder / ".lock"))
             self.lock.acquire(timeout=0)
-        except PermissionError as error:
-            raise ValueError(f"cannot write to {self.folder} ({error.strerror}): choose a writable folder") from None
         except Timeout:
             raise ValueError(f"another run is writing to {self.folder}: wait for it or choose another folder") from None
+        except OSError as error:  # not writable, or a file in the way
+            raise ValueError(f"cannot write to {self.folder} ({error.strerror}): choose a writable folder") from None
         self.records_per_shard = records_per_shard
         meta_path = self.folder / META_FILE
         settings = json.loads(json.dumps(settings))  # as it reads back from JSON (tuples become lists)
