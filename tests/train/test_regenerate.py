@@ -91,8 +91,17 @@ def test_sampling_is_reproducible_from_the_seed(tmp_path):
     model, prompts = tiny_target(seed=4), random_prompts(5)
 
     def run(name, seed):
-        regenerate(model, TOKENIZER, prompts, tmp_path / name, max_new_tokens=8, temperature=1.5, seed=seed,
-                   batch_size=2, progress=False)
+        regenerate(
+            model,
+            TOKENIZER,
+            prompts,
+            tmp_path / name,
+            max_new_tokens=8,
+            temperature=1.5,
+            seed=seed,
+            batch_size=2,
+            progress=False,
+        )
         return responses(tmp_path / name)
 
     assert run("a", seed=7) == run("b", seed=7)
