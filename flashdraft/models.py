@@ -96,12 +96,12 @@ def _numbered_parts(module_prefix: str, version: str, count: int) -> tuple[Packa
     )
 
 
-_QWEN_CODER_FACTS = dict(
-    model_type="qwen2",
-    vocab_size=151936,
-    stop_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
-    mask_token_id=151662,  # <|fim_pad|>: fill-in-the-middle padding, never produced in chat
-)
+_QWEN_CODER_FACTS = {
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "stop_token_ids": (151645, 151643),  # <|im_end|>, <|endoftext|>
+    "mask_token_id": 151662,  # <|fim_pad|>: fill-in-the-middle padding, never produced in chat
+}
 
 REGISTRY: dict[str, RegisteredModel] = {
     entry.name: entry
@@ -160,7 +160,7 @@ def registered_model(name: str) -> RegisteredModel:
 
 
 def _did_you_mean(name: str) -> str:
-    close = difflib.get_close_matches(name, REGISTRY, n=1)
+    close = difflib.get_close_matches(name, REGISTRY, n=1, cutoff=0.4)
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
@@ -214,9 +214,10 @@ def _assemble(files: list[Path], destination: Path) -> str:
     """Concatenate `files` into `destination`, returning the sha256 hex digest of the result."""
     digest = hashlib.sha256()
     total = sum(file.stat().st_size for file in files)
-    with open(destination, "wb") as out, tqdm(
-        total=total, unit="B", unit_scale=True, desc="Assembling and verifying GGUF", file=sys.stderr
-    ) as progress:
+    with (
+        open(destination, "wb") as out,
+        tqdm(total=total, unit="B", unit_scale=True, desc="Assembling and verifying GGUF", file=sys.stderr) as progress,
+    ):
         for file in files:
             with open(file, "rb") as source:
                 while chunk := source.read(16 << 20):
@@ -255,13 +256,13 @@ def convert_gguf(gguf_path: Path, output_folder: Path, entry: RegisteredModel) -
 def _check_facts(model: PreTrainedModel, entry: RegisteredModel) -> None:
     """Fail the conversion when the registry's architecture facts disagree with the model the GGUF describes."""
     config = model.config
-    found = dict(
-        model_type=config.model_type,
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size,
-        tied_embeddings=bool(config.tie_word_embeddings),
-    )
+    found = {
+        "model_type": config.model_type,
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "tied_embeddings": bool(config.tie_word_embeddings),
+    }
     wrong = {key: value for key, value in found.items() if getattr(entry, key) != value}
     if wrong:
         expected = {key: getattr(entry, key) for key in wrong}
@@ -295,6 +296,7 @@ def prepare(name: str) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         print(f"Preparing {name} once (verify, dequantize, save as safetensors) into {final}", file=sys.stderr)
         work = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=models_dir))
+        work.chmod(0o755)  # mkdtemp makes it private; the cache may be shared (FLASHDRAFT_HOME)
         try:
             gguf_path = work / f"{name}.gguf"
             digest = _assemble(files, gguf_path)
