@@ -1,0 +1,234 @@
+"""The decoding methods a benchmark compares, each behind one call: prompt ids in, new token ids out.
+
+    ar                   the target's own `generate` (plain autoregressive decoding: the baseline)
+    flashdraft           `flashdraft.generate` with the DFlash draft, at one or more block sizes
+    prompt-lookup        transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`)
+    assisted             transformers' assisted generation with a small model of the same tokenizer
+    reference            the reference DFlash loop, PyPI `dflash==0.1.0` (`dflash_generate`), same draft weights
+    transformers-dflash  transformers' own DFlash loop (`speculation_type="dflash"`), same draft weights
+
+All methods decode the same target with the same stop tokens, the same token budget and the same sampling rule
+(temperature only: top-p 1, no top-k); timing and acceptance are measured around them by `runner.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.modeling_outputs import BaseModelOutput
+
+import flashdraft
+from flashdraft.draft import DFlashDraftModel
+from flashdraft.target import TargetModel
+
+METHOD_NAMES = ("ar", "flashdraft", "prompt-lookup", "assisted", "reference", "transformers-dflash")
+PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per lookup: transformers' documented example value
+REFERENCE_REQUIREMENT = "dflash==0.1.0"
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What every method of one benchmark decodes with."""
+
+    max_new_tokens: int
+    temperature: float  # 0 is greedy
+    stop_token_ids: tuple[int, ...]
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The target's end tokens: its generation config's `eos_token_id` (one id or a list) and the tokenizer's."""
+    configured = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = configured if isinstance(configured, list) else [configured]
+    return tuple(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id] if i is not None))
+
+
+class Method:
+    """One way to decode the target. `generate` returns the new tokens only (prompt excluded)."""
+
+    name: str
+
+    def generate(self, input_ids: torch.Tensor, settings: DecodeSettings, seed: int) -> list[int]:
+        raise NotImplementedError
+
+
+class TransformersGenerate(Method):
+    """`target.generate` with the shared settings plus method-specific arguments (assistant, prompt lookup)."""
+
+    def __init__(self, name: str, target: PreTrainedModel, **method_kwargs):
+        self.name = name
+        self.target = target
+        self.method_kwargs = method_kwargs
+
+    def generate(self, input_ids, settings, seed):
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        sampling = settings.temperature > 0
+        # Every sampling parameter is set explicitly: values left unset would be filled from the model's own
+        # generation config (e.g. a default top_p), and the methods would no longer sample the same distribution.
+        output = self.target.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=settings.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=sampling,
+            temperature=settings.temperature if sampling else None,
+            top_p=1.0 if sampling else None,
+            top_k=0 if sampling else None,
+            repetition_penalty=1.0,
+            eos_token_id=list(settings.stop_token_ids) or None,
+            pad_token_id=settings.stop_token_ids[0] if settings.stop_token_ids else 0,
+            **self.method_kwargs,
+        )
+        return output[0, input_ids.shape[1] :].tolist()
+
+
+class FlashDraft(Method):
+    def __init__(self, target: PreTrainedModel, draft: DFlashDraftModel, block_size: int):
+        self.name = f"flashdraft-b{block_size}"
+        self.target = TargetModel(target)
+        self.draft = draft
+        self.block_size = block_size
+
+    def generate(self, input_ids, settings, seed):
+        result = flashdraft.generate(
+            self.target,
+            self.draft,
+            input_ids,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            stop_token_ids=settings.stop_token_ids,
+            block_size=self.block_size,
+            seed=seed,
+        )
+        return result.tokens
+
+
+class Reference(Method):
+    """`dflash.model.dflash_generate` from PyPI `dflash==0.1.0`, on the reference's own draft class holding our
+    draft's weights (the checkpoint format is shared, so the state dict loads unchanged)."""
+
+    def __init__(self, target: PreTrainedModel, draft: DFlashDraftModel):
+        try:
+            from dflash.model import DFlashDraftModel as ReferenceDraft, dflash_generate
+        except ImportError:
+            raise ValueError(
+                "method 'reference' needs the reference implementation: "
+                f"`pip install --no-deps {REFERENCE_REQUIREMENT}`"
+            ) from None
+        self.name = f"reference-b{draft.block_size}"
+        self.target = target
+        self.dflash_generate = dflash_generate
+        parameter = next(draft.parameters())
+        self.draft = ReferenceDraft(copy.deepcopy(draft.config))
+        self.draft.load_state_dict(draft.state_dict(), strict=True)
+        self.draft.to(device=parameter.device, dtype=parameter.dtype).eval()
+
+    def generate(self, input_ids, settings, seed):
+        torch.manual_seed(seed)  # the reference samples from the global generator
+        # Without return_stats: its statistics call torch.cuda.synchronize, which a CPU-only torch lacks; the
+        # runner times every method the same way instead.
+        with warnings.catch_warnings():
+            # It passes the target's cache under the name transformers 5.24 deprecates; nothing for our user to fix.
+            warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+            output = self.dflash_generate(
+                self.draft,
+                self.target,
+                input_ids,
+                settings.max_new_tokens,
+                list(settings.stop_token_ids) or None,
+                temperature=settings.temperature,
+            )
+        return output[0, input_ids.shape[1] :].tolist()
+
+
+class TransformersDFlashAssistant(nn.Module):
+    """Our DFlash draft in the shape transformers' `DFlashTokenCandidateGenerator` drives.
+
+    That generator reads `target_layer_ids`, `block_size` and `mask_token_id` from the assistant's config top level
+    (the checkpoint keeps the last two in `dflash_config`), and calls the assistant with keyword arguments
+    `noise_embeds`, `context_hidden_states`, `position_ids`, `attention_mask`, `cache`, expecting an output with
+    `last_hidden_state`. The computation is the draft's own forward, unchanged; the padding mask is dropped because
+    benchmarks run one unpadded sequence, where every context and block position is visible.
+    """
+
+    def __init__(self, draft: DFlashDraftModel):
+        super().__init__()
+        self.draft = draft
+        self.config = copy.deepcopy(draft.config)
+        self.config.target_layer_ids = draft.target_layer_ids
+        self.config.mask_token_id = draft.mask_token_id
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.draft.parameters()).device
+
+    def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None):
+        hidden = self.draft(noise_embeds, context_hidden_states, position_ids, cache)
+        return BaseModelOutput(last_hidden_state=hidden)
+
+
+def build_methods(
+    names: list[str],
+    *,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    draft: DFlashDraftModel | None = None,
+    block_sizes: list[int] | None = None,
+    assistant: PreTrainedModel | None = None,
+    assistant_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> list[Method]:
+    """The methods called `names`, `ar` first (the baseline every other is measured against).
+
+    `flashdraft` runs once per entry of `block_sizes` (default: the draft's own); `reference` and
+    `transformers-dflash` run at the draft's block size.
+    """
+    unknown = [name for name in names if name not in METHOD_NAMES]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_NAMES)}")
+    needs_draft = {"flashdraft", "reference", "transformers-dflash"} & set(names)
+    if needs_draft and draft is None:
+        raise ValueError(f"method(s) {', '.join(sorted(needs_draft))} need a draft: pass --draft PATH")
+    if "assisted" in names:
+        if assistant is None:
+            raise ValueError("method 'assisted' needs a small model with the target's tokenizer: pass --assistant")
+        if assistant_tokenizer is not None and assistant_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(
+                "the assistant's tokenizer differs from the target's: assisted generation here needs the same "
+                "vocabulary (pick an assistant from the target's model family)"
+            )
+    methods: list[Method] = [TransformersGenerate("ar", target)]
+    for name in dict.fromkeys(names):
+        if name == "flashdraft":
+            for block_size in dict.fromkeys(block_sizes or [draft.block_size]):
+                if block_size < 2:
+                    raise ValueError(f"block sizes must be at least 2 (1 is plain decoding, `ar`), got {block_size}")
+                methods.append(FlashDraft(target, draft, block_size))
+        elif name == "prompt-lookup":
+            methods.append(TransformersGenerate(name, target, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
+        elif name == "assisted":
+            methods.append(TransformersGenerate(name, target, assistant_model=assistant))
+        elif name == "reference":
+            methods.append(Reference(target, draft))
+        elif name == "transformers-dflash":
+            methods.append(
+                TransformersGenerate(
+                    f"transformers-dflash-b{draft.block_size}",
+                    target,
+                    assistant_model=TransformersDFlashAssistant(draft),
+                    speculation_type="dflash",
+                )
+            )
+    return methods
+
+
+def reference_available() -> bool:
+    """Whether the reference implementation can be imported (its method is then part of the default set)."""
+    try:
+        import dflash.model  # noqa: F401
+    except ImportError:
+        return False
+    return True

