@@ -1,0 +1,224 @@
+"""Target features for training: the hidden states of the draft's target layers, computed online or stored offline.
+
+Online (`OnlineFeatures`), each training batch runs the frozen target over its sequences (no cache, head on one
+position only): the natural choice on a GPU or for a single epoch. Offline (`build_feature_store`), the target
+runs once over every training sequence and the features go to a memory-mapped file; every epoch after that only
+reads them (`FeatureStore`): on a CPU a target forward costs about as much as a training step. Both hand the
+trainer [b, C, k*d] float32 features of positions 0..C-1, right-padded with zeros, equal (up to the storage
+dtype) to the features the decoding loop collects while generating.
+
+An offline store is a folder:
+    meta.json       target identity, layer ids, storage dtype, feature width, and each sequence's id, length, offset
+    features.bin    the raw [total positions, k*d] array in the storage dtype (float16 by default)
+    progress.json   how many of the planned batches are written: a restarted build continues from there
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .blocks import TrainingSequence
+from .records import plan_batches
+from .regenerate import model_identity
+
+META_FILE = "meta.json"
+DATA_FILE = "features.bin"
+PROGRESS_FILE = "progress.json"
+# Storage dtypes and the numpy type of the same width that holds their bits (numpy has no bfloat16).
+STORAGE_DTYPES = {"float16": (torch.float16, np.float16), "bfloat16": (torch.bfloat16, np.uint16),
+                  "float32": (torch.float32, np.float32)}
+
+
+def check_feature_layers(layer_ids: Sequence[int], num_target_layers: int) -> None:
+    """Fail before any work when the feature layers do not exist in the target (or repeat)."""
+    if not layer_ids:
+        raise ValueError("no feature layers: give at least one target layer for the draft to read")
+    too_deep = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if too_deep:
+        raise ValueError(
+            f"feature layers {too_deep} do not exist: the target has {num_target_layers} layers (0..{num_target_layers - 1}); "
+            "choose layers within it (--feature-layers) or fewer draft layers"
+        )
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(
+            f"feature layers {list(layer_ids)} repeat a layer: the target ({num_target_layers} layers) is too shallow "
+            "for that many; give distinct --feature-layers"
+        )
+
+
+@torch.no_grad()
+def extract_features(model, sequences: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """[b, L, k*d]: the concatenated hidden states of `layer_ids` (layer i = hidden_states[i + 1]) for token
+    sequences of lengths <= L, run as one right-padded batch; padding positions are zeros."""
+    device = model.device
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    attention_mask = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = ids.to(device)
+        attention_mask[row, : len(ids)] = 1
+    selected = [i + 1 for i in layer_ids]
+    # Right padding leaves each sequence at positions 0..len-1, unaffected by the pads after it.
+    output = model(
+        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=selected, use_cache=False,
+        logits_to_keep=1,
+    )
+    features = torch.cat([output.hidden_states[i] for i in selected], dim=-1)
+    return features * attention_mask[:, :, None].to(features.dtype)
+
+
+class FeatureSource(Protocol):
+    """What the trainer reads features from."""
+
+    def __call__(self, sequences: Sequence[TrainingSequence], context_length: int) -> torch.Tensor:
+        """[b, context_length, k*d] float32 features of positions 0..context_length-1 of each sequence."""
+        ...
+
+
+class OnlineFeatures:
+    """Features computed by the target for every batch. The target is causal, so the features of positions
+    < C need only the first C tokens: the rest of each sequence is not run."""
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        check_feature_layers(layer_ids, model.config.get_text_config().num_hidden_layers)
+        self.model = model
+        self.layer_ids = list(layer_ids)
+
+    def __call__(self, sequences, context_length):
+        prefixes = [s.input_ids[:context_length] for s in sequences]
+        features = extract_features(self.model, prefixes, self.layer_ids).float()
+        return torch.nn.functional.pad(features, (0, 0, 0, context_length - features.shape[1]))
+
+
+def _fingerprint(sequences: Sequence[TrainingSequence]) -> str:
+    digest = hashlib.sha256()
+    for sequence in sequences:
+        digest.update(f"{sequence.id}\0{len(sequence)}\0".encode())
+        digest.update(sequence.input_ids.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def build_feature_store(
+    model,
+    sequences: Sequence[TrainingSequence],
+    folder: str | Path,
+    layer_ids: Sequence[int],
+    *,
+    dtype: str = "float16",
+    batch_size: int = 8,
+    progress: bool = True,
+) -> "FeatureStore":
+    """Compute the features of every sequence once and store them in `folder` (resumable; see the module doc).
+
+    A folder built for other sequences, another target or other layers is refused rather than mixed. The disk
+    space is checked before the first forward."""
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"feature storage dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype!r}")
+    if not sequences:
+        raise ValueError("no training sequences to compute features for")
+    check_feature_layers(layer_ids, model.config.get_text_config().num_hidden_layers)
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"cannot create the feature folder {folder} ({error.strerror}): choose a writable folder") from None
+    torch_dtype, numpy_dtype = STORAGE_DTYPES[dtype]
+    width = len(layer_ids) * model.config.get_text_config().hidden_size
+    offsets = np.cumsum([0] + [len(s) for s in sequences]).tolist()
+    meta = {
+        **model_identity(model),
+        "layer_ids": list(layer_ids),
+        "dtype": dtype,
+        "width": width,
+        "sequences": _fingerprint(sequences),
+        "index": {s.id: [offsets[i], len(s)] for i, s in enumerate(sequences)},
+    }
+    meta_path, data_path, progress_path = folder / META_FILE, folder / DATA_FILE, folder / PROGRESS_FILE
+    total_bytes = offsets[-1] * width * np.dtype(numpy_dtype).itemsize
+    if meta_path.exists():
+        stored = json.loads(meta_path.read_text())
+        if stored != meta:
+            changed = sorted(k for k in stored.keys() | meta.keys() if stored.get(k) != meta.get(k))
+            raise ValueError(
+                f"{folder} holds features made for other data or settings (differences: {', '.join(changed)}): "
+                "delete it or choose another folder"
+            )
+    else:
+        free = shutil.disk_usage(folder).free
+        if free < total_bytes:
+            raise ValueError(
+                f"{folder} has {free / 1e9:.2f} GB free but the features need {total_bytes / 1e9:.2f} GB: free some "
+                "space, store them as --feature-dtype float16, or use --features online"
+            )
+        with data_path.open("wb") as handle:  # a sparse file of the final size; the memory map fills it
+            handle.truncate(total_bytes)
+        # The batch plan is fixed at creation, so a restart with another --batch-size still resumes cleanly.
+        progress_path.write_text(json.dumps({"batch_size": batch_size, "batches_done": 0}))
+        meta_path.write_text(json.dumps(meta))  # last: a folder with meta.json has its data file
+
+    state = json.loads(progress_path.read_text())
+    batches = plan_batches([len(s) for s in sequences], [s.id for s in sequences], state["batch_size"])
+    done = state["batches_done"]
+    if done < len(batches):
+        data = np.memmap(data_path, dtype=numpy_dtype, mode="r+", shape=(offsets[-1], width))
+        for number in tqdm(range(done, len(batches)), desc="target features", unit="batch", disable=not progress,
+                           initial=done, total=len(batches)):
+            batch = batches[number]
+            features = extract_features(model, [sequences[i].input_ids for i in batch], layer_ids)
+            stored = features.to(torch_dtype)
+            if not torch.isfinite(stored).all():
+                raise ValueError(f"target features overflow {dtype}: store them as --feature-dtype bfloat16 or float32")
+            stored = stored.cpu().view(torch.uint16) if dtype == "bfloat16" else stored.cpu()
+            for row, i in enumerate(batch):
+                data[offsets[i] : offsets[i + 1]] = stored[row, : len(sequences[i])].numpy()
+            data.flush()
+            _write_atomic(progress_path, json.dumps({**state, "batches_done": number + 1, "complete": number + 1 == len(batches)}))
+        del data
+    return FeatureStore(folder)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+class FeatureStore:
+    """Reads an offline feature folder written by `build_feature_store`."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        meta_path = folder / META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{folder} is not a feature store ({META_FILE} is missing): build it first")
+        if not json.loads((folder / PROGRESS_FILE).read_text()).get("complete"):
+            raise ValueError(f"the feature store {folder} is incomplete: run the features stage again to finish it")
+        self.meta = json.loads(meta_path.read_text())
+        self.index = self.meta["index"]
+        self.layer_ids = self.meta["layer_ids"]
+        self.torch_dtype, numpy_dtype = STORAGE_DTYPES[self.meta["dtype"]]
+        total = sum(length for _, length in self.index.values())
+        self.data = np.memmap(folder / DATA_FILE, dtype=numpy_dtype, mode="r", shape=(total, self.meta["width"]))
+        self.folder = folder
+
+    def __call__(self, sequences, context_length):
+        rows = []
+        for sequence in sequences:
+            if sequence.id not in self.index:
+                raise ValueError(f"sequence {sequence.id!r} has no features in {self.folder}: rebuild the store")
+            offset, length = self.index[sequence.id]
+            take = min(length, context_length)
+            row = torch.from_numpy(np.array(self.data[offset : offset + take]))  # a copy: the map is read-only
+            row = row.view(self.torch_dtype).float()
+            rows.append(torch.nn.functional.pad(row, (0, 0, 0, context_length - take)))
+        return torch.stack(rows)

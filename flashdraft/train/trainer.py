@@ -1,0 +1,596 @@
+"""The draft trainer: optimisation, checkpoints and resume, evaluation by real speculative decoding, the output.
+
+One optimizer step takes a global batch of `batch_size * grad_accum * world_size` training sequences (in a
+seeded order that changes every epoch), opens `num_anchors` random blocks in each (`blocks.py`), runs the draft
+once per micro-batch over all its blocks and back-propagates the weighted block loss (`loss.py`), normalised by
+the weight of the whole global batch, so that accumulation and processes do not change the maths. AdamW, linear
+warmup then cosine decay, gradient clipping. The target's embeddings and head are frozen (the draft has none).
+
+A checkpoint (every `checkpoint_every` steps and at the end) holds the draft, optimizer, scheduler, RNG states,
+the step (which fixes the data position: epoch and batch follow from it) and the evaluation history. A run
+restarted on the same run folder continues from its last checkpoint and ends with the same weights as an
+uninterrupted run. Every `eval_every` steps the draft decodes a few held-out prompts with the real speculative
+loop (`flashdraft.generate`) and the best draft so far (by mean tau) is kept; the output folder receives it in
+the DFlash checkpoint format with a model card.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from ..decoding import check_compatible, generate
+from ..draft import DFlashDraftModel
+from ..target import TargetModel
+from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
+from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
+from .features import FeatureSource
+from .loss import DEFAULT_CHUNK, DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
+
+CHECKPOINT_DIR = "checkpoints"
+BEST_DIR = "best"
+METRICS_FILE = "metrics.jsonl"
+HELDOUT_SEED = -1  # the anchors of held-out sequences are drawn once, the same at every evaluation
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping settings (the model shape lives in the draft's config)."""
+
+    num_anchors: int = 64  # blocks per training sequence, redrawn every epoch
+    gamma: float | None = None  # position-weight decay; None: 7 at block size 16, 4 at 8 (`default_gamma`)
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04  # share of the steps with a linear warmup
+    weight_decay: float = 0.0
+    epochs: int = 3
+    max_steps: int | None = None  # overrides epochs when given
+    batch_size: int = 1  # sequences per micro-batch, per process
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_grad_norm: float = 1.0
+    distill_weight: float = 0.0  # 0: hard labels; 1: the target's top-k probabilities; between: a mix
+    loss_chunk: int = DEFAULT_CHUNK  # positions per pass through the output head
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0: evaluate only at the end
+    eval_max_new_tokens: int = 64
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        positive = {"num_anchors": self.num_anchors, "epochs": self.epochs, "batch_size": self.batch_size,
+                    "grad_accum": self.grad_accum, "checkpoint_every": self.checkpoint_every,
+                    "keep_checkpoints": self.keep_checkpoints, "loss_chunk": self.loss_chunk,
+                    "log_every": self.log_every, "eval_max_new_tokens": self.eval_max_new_tokens}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.learning_rate <= 0 or self.max_grad_norm <= 0:
+            raise ValueError("learning_rate and max_grad_norm must be positive")
+        if not 0 <= self.distill_weight <= 1:
+            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
+
+
+@dataclass
+class TrainSummary:
+    """What a finished `Trainer.train()` reports."""
+
+    steps: int
+    epochs: float  # passes over the training sequences
+    seconds: float  # wall time over all sessions of the run (resumes included)
+    train_sequences: int
+    blocks_per_second: float  # in this session
+    tokens_per_second: float  # training sequence tokens per second, in this session
+    final_loss: float
+    final_accuracy: list[float]  # per block position 1..B-1, over the last logging window
+    evaluations: list[dict] = field(default_factory=list)  # every evaluation, in order
+    best: dict | None = None  # the evaluation of the kept draft
+
+
+def init_from_target(draft: DFlashDraftModel, target) -> int:
+    """Start the draft's layers from the target's last layers (and its final norm), for every weight whose name
+    and shape match (the draft's q/k norms have no counterpart in Llama-style targets and stay at one).
+    Returns the number of tensors copied."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    target_layers = getattr(decoder, "layers", None)
+    if target_layers is None or len(target_layers) < len(draft.layers):
+        raise ValueError(f"cannot initialise from {type(target).__name__}: its decoder layers were not found")
+    copied = 0
+    pairs = [(d, t) for d, t in zip(draft.layers, target_layers[len(target_layers) - len(draft.layers) :])]
+    pairs.append((draft.norm, getattr(decoder, "norm", None)))
+    with torch.no_grad():
+        for draft_module, target_module in pairs:
+            if target_module is None:
+                continue
+            source = target_module.state_dict()
+            for name, tensor in draft_module.state_dict().items():
+                if name in source and source[name].shape == tensor.shape:
+                    tensor.copy_(source[name])
+                    copied += 1
+    return copied
+
+
+def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to zero at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def ensure_writable(folder: Path, needed_bytes: int, what: str) -> None:
+    """Fail before training, not hours into it, when `folder` cannot be written or lacks space."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"cannot write the {what} to {folder} ({error.strerror}): choose a writable folder") from None
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise ValueError(
+            f"{folder} has {free / 1e9:.2f} GB free but the {what} needs about {needed_bytes / 1e9:.2f} GB: "
+            "free some space or choose another folder"
+        )
+
+
+class Trainer:
+    """Trains `draft` for `target` on `sequences`; see the module doc."""
+
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        target,  # the frozen transformers causal LM
+        sequences: Sequence[TrainingSequence],
+        features: FeatureSource,
+        run_dir: str | Path,
+        config: TrainConfig = TrainConfig(),
+        *,
+        vocabulary: DraftVocabulary | None = None,
+        heldout: Sequence[TrainingSequence] = (),
+        eval_prompts: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        distributed: Distributed | None = None,
+        progress: bool = True,
+    ):
+        self.target = TargetModel(target)
+        check_compatible(draft, self.target)
+        if draft.config.vocab_size != self.target.vocab_size:
+            raise ValueError(
+                f"draft was made for a vocabulary of {draft.config.vocab_size} tokens, the target has "
+                f"{self.target.vocab_size}: make the draft for this target"
+            )
+        if draft.block_size < 2:
+            raise ValueError(f"training needs a block size of at least 2, the draft has {draft.block_size}")
+        if "sliding_attention" in draft.config.layer_types:
+            # One training mask serves every layer; sliding layers would need the window cut into it as well.
+            raise ValueError("training drafts with sliding-window layers is not supported: use full-attention layers")
+        self.sequences = [s for s in sequences if len(s.anchor_positions) > 0]
+        if not self.sequences:
+            raise ValueError("no training sequence has a response of 2 tokens or more: the training set is empty")
+        self.config = config
+        self.dist = distributed or Distributed(device=self.target.device)
+        self.global_batch = config.batch_size * config.grad_accum * self.dist.world_size
+        if len(self.sequences) < self.global_batch:
+            raise ValueError(
+                f"{len(self.sequences)} training sequences cannot fill one global batch of {self.global_batch} "
+                "(batch size x gradient accumulation x processes): add data or lower them"
+            )
+        self.steps_per_epoch = len(self.sequences) // self.global_batch  # the last partial batch is dropped
+        self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
+        self.warmup_steps = round(config.warmup_ratio * self.total_steps)
+        self.features = features
+        self.heldout = [s for s in heldout if len(s.anchor_positions) > 0]
+        self.eval_prompts = {name: [list(p) for p in prompts] for name, prompts in (eval_prompts or {}).items()}
+        self.stop_token_ids = list(stop_token_ids)
+        self.progress = progress and self.dist.is_main
+        self.run_dir = Path(run_dir)
+
+        for parameter in self.target.model.parameters():
+            parameter.requires_grad_(False)
+        self.draft = draft.to(self.dist.device).train()
+        self.vocabulary = vocabulary
+        head = self.target.lm_head
+        self.head_weight, self.head_bias = head.weight.detach(), head.bias
+        if vocabulary is not None:
+            draft.set_draft_vocab(vocabulary.ids)
+            self.head_weight = self.head_weight[vocabulary.ids.to(self.head_weight.device)]
+            self.head_bias = self.head_bias[vocabulary.ids] if self.head_bias is not None else None
+        self.gamma = config.gamma or default_gamma(draft.block_size)
+        self.position_weights = position_weights(draft.block_size, self.gamma)
+        self.model = draft
+        if torch.distributed.is_initialized():
+            device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
+            self.model = DistributedDataParallel(draft, device_ids=device_ids)
+        parameters = [p for p in draft.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: _lr_factor(step, self.warmup_steps, self.total_steps)
+        )
+        self.step = 0
+        self.elapsed = 0.0  # seconds of training in earlier sessions of this run
+        self.evaluations: list[dict] = []
+        self.best: dict | None = None
+        if self.dist.is_main:
+            state_bytes = sum(p.numel() * p.element_size() for p in parameters) * 3  # weights, Adam's two moments
+            ensure_writable(self.run_dir, state_bytes * (config.keep_checkpoints + 2), "checkpoints")
+        self._resume()
+
+    # ------------------------------------------------------------------ data order
+
+    def _fingerprint(self) -> dict:
+        """What fixes the data order: a checkpoint from a run with other values cannot be resumed."""
+        return {
+            "sequences": [s.id for s in self.sequences],
+            "global_batch": self.global_batch,
+            "total_steps": self.total_steps,
+            "num_anchors": self.config.num_anchors,
+            "block_size": self.draft.block_size,
+            "seed": self.config.seed,
+        }
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.sequences)))
+        random.Random(f"{self.config.seed}:order:{epoch}").shuffle(order)
+        return order
+
+    def micro_batches(self, step: int) -> tuple[int, list[list[TrainingSequence]]]:
+        """(epoch, this process's micro-batches) of optimizer step `step`. The global batch is sorted by length,
+        so each micro-batch pads little, and dealt out micro-batch by micro-batch to the processes."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = self._epoch_order(epoch)[index * self.global_batch : (index + 1) * self.global_batch]
+        ranked = sorted((self.sequences[i] for i in order), key=lambda s: (len(s), s.id))
+        size, world = self.config.batch_size, self.dist.world_size
+        micro = [ranked[i : i + size] for i in range(0, len(ranked), size)]
+        return epoch, micro[self.dist.rank :: world]
+
+    def _blocks(self, sequences: list[TrainingSequence], epoch: int) -> BlockBatch:
+        anchors = [sample_anchors(s, self.config.num_anchors, self.config.seed, epoch) for s in sequences]
+        return make_blocks(sequences, anchors, self.draft.block_size, self.draft.mask_token_id)
+
+    # ------------------------------------------------------------------ one step
+
+    def _forward(self, model, sequences: list[TrainingSequence], batch: BlockBatch, targets):
+        device = self.dist.device
+        features = self.features(sequences, batch.context_length).to(device)
+        hidden = model(
+            self.target.embed(batch.block_ids.to(device)),
+            features,
+            batch.position_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+        )
+        return block_loss(
+            hidden, targets, self.head_weight, self.head_bias, self.vocabulary, self.draft.block_size,
+            self.config.loss_chunk,
+        )
+
+    def train_step(self) -> dict:
+        """One optimizer step at `self.step`; returns its global statistics."""
+        began = time.perf_counter()
+        epoch, micro = self.micro_batches(self.step)
+        prepared = []
+        for sequences in micro:
+            batch = self._blocks(sequences, epoch)
+            targets = block_targets(batch, self.position_weights, self.vocabulary, self.config.distill_weight)
+            prepared.append((sequences, batch, targets))
+        # Normalise by the loss weight of the whole global batch (DDP averages gradients over processes, hence the
+        # world size): accumulation and the number of processes leave the gradient unchanged.
+        weight = all_reduce_sum(torch.tensor([sum(t.weight_sum for _, _, t in prepared)], dtype=torch.float64,
+                                             device=self._reduce_device))
+        scale = self.dist.world_size / weight.item() if weight.item() > 0 else 0.0
+        positions = self.draft.block_size - 1
+        stats = torch.zeros(3 + 2 * positions, dtype=torch.float64)  # loss, blocks, tokens, correct, counted
+        for number, (sequences, batch, targets) in enumerate(prepared):
+            last = number == len(prepared) - 1
+            sync = last or not isinstance(self.model, DistributedDataParallel)
+            with nullcontext() if sync else self.model.no_sync():
+                output = self._forward(self.model, sequences, batch, targets)
+                (output.loss * scale).backward()
+            stats[0] += output.loss.item()
+            stats[1] += int(batch.valid.sum())
+            stats[2] += sum(len(s) for s in sequences)
+            stats[3 : 3 + positions] += output.correct
+            stats[3 + positions :] += output.counted
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        stats = all_reduce_sum(stats.to(self._reduce_device)).cpu()
+        return {
+            "step": self.step,
+            "loss": stats[0].item() / weight.item() if weight.item() > 0 else 0.0,
+            "correct": stats[3 : 3 + positions].long().tolist(),
+            "counted": stats[3 + positions :].long().tolist(),
+            "blocks": int(stats[1]),
+            "tokens": int(stats[2]),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "seconds": time.perf_counter() - began,
+        }
+
+    @property
+    def _reduce_device(self) -> torch.device:
+        # gloo reduces CPU tensors, NCCL GPU tensors
+        return self.dist.device if self.dist.device.type == "cuda" and torch.distributed.is_initialized() else torch.device("cpu")
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> TrainSummary:
+        """Train until `total_steps` (from the last checkpoint when there is one) and return the summary."""
+        session_start = time.perf_counter()
+        blocks = tokens = 0
+        window: list[dict] = []
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step", disable=not self.progress)
+        last = None
+        while self.step < self.total_steps:
+            last = self.train_step()
+            blocks += last["blocks"]
+            tokens += last["tokens"]
+            window.append(last)
+            if self.step % self.config.log_every == 0 or self.step == self.total_steps:
+                self._log(window, bar)
+                window = []
+            bar.update(1)
+            evaluate_now = self.config.eval_every and self.step % self.config.eval_every == 0
+            if evaluate_now and self.step < self.total_steps:
+                self._evaluate_and_keep()
+            if self.step % self.config.checkpoint_every == 0 and self.step < self.total_steps:
+                self._save_checkpoint(time.perf_counter() - session_start)
+        bar.close()
+        evaluated = self.evaluations and self.evaluations[-1]["step"] == self.step
+        if (self.eval_prompts or self.heldout) and not evaluated:
+            self._evaluate_and_keep()
+        session = time.perf_counter() - session_start
+        self._save_checkpoint(session)
+        final = self._summarise(window or ([last] if last else []))
+        return TrainSummary(
+            steps=self.step,
+            epochs=self.step * self.global_batch / len(self.sequences),
+            seconds=self.elapsed + session,
+            train_sequences=len(self.sequences),
+            blocks_per_second=blocks / session if session > 0 else 0.0,
+            tokens_per_second=tokens / session if session > 0 else 0.0,
+            final_loss=final.get("loss", float("nan")),
+            final_accuracy=final.get("accuracy", []),
+            evaluations=list(self.evaluations),
+            best=self.best,
+        )
+
+    @staticmethod
+    def _summarise(window: list[dict]) -> dict:
+        """Pool the steps of a logging window: loss averaged over steps, accuracy over all counted positions."""
+        if not window:
+            return {}
+        correct = torch.tensor([w["correct"] for w in window]).sum(0)
+        counted = torch.tensor([w["counted"] for w in window]).sum(0)
+        seconds = sum(w["seconds"] for w in window)
+        return {
+            "step": window[-1]["step"],
+            "loss": sum(w["loss"] for w in window) / len(window),
+            "accuracy": (correct / counted.clamp_min(1)).tolist(),
+            "positions": int(counted.sum()),
+            "blocks_per_second": sum(w["blocks"] for w in window) / seconds,
+            "tokens_per_second": sum(w["tokens"] for w in window) / seconds,
+            "lr": window[-1]["lr"],
+            "grad_norm": window[-1]["grad_norm"],
+        }
+
+    def _log(self, window: list[dict], bar) -> None:
+        summary = self._summarise(window)
+        if not self.dist.is_main or not summary:
+            return
+        accuracy = summary["accuracy"]
+        bar.set_postfix(
+            loss=f"{summary['loss']:.3f}",
+            acc="/".join(f"{a:.2f}" for a in accuracy[:4]) + f" mean {sum(accuracy) / len(accuracy):.2f}",
+            blocks_s=f"{summary['blocks_per_second']:.0f}",
+        )
+        self._append_metrics(summary)
+
+    def _append_metrics(self, entry: dict) -> None:
+        with (self.run_dir / METRICS_FILE).open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Tau of real speculative decoding on each set of held-out prompts (greedy, pooled over the rounds of
+        all prompts) and the teacher-forced loss and per-position accuracy on the held-out sequences."""
+        self.draft.eval()
+        result: dict = {"step": self.step, "tau": {}}
+        for name, prompts in self.eval_prompts.items():
+            rounds = []
+            for prompt in prompts:
+                generation = generate(
+                    self.target, self.draft, prompt, max_new_tokens=self.config.eval_max_new_tokens,
+                    stop_token_ids=self.stop_token_ids,
+                )
+                rounds += generation.acceptance_lengths
+            result["tau"][name] = sum(rounds) / len(rounds) if rounds else 0.0
+        if self.heldout:
+            loss = weight = 0.0
+            positions = self.draft.block_size - 1
+            correct, counted = torch.zeros(positions, dtype=torch.long), torch.zeros(positions, dtype=torch.long)
+            for start in range(0, len(self.heldout), self.config.batch_size):
+                sequences = self.heldout[start : start + self.config.batch_size]
+                batch = self._blocks(sequences, HELDOUT_SEED)
+                targets = block_targets(batch, self.position_weights, self.vocabulary, self.config.distill_weight)
+                output = self._forward(self.draft, sequences, batch, targets)
+                loss += output.loss.item()
+                weight += targets.weight_sum
+                correct += output.correct
+                counted += output.counted
+            result["heldout_loss"] = loss / weight if weight > 0 else 0.0
+            result["heldout_accuracy"] = (correct / counted.clamp_min(1)).tolist()
+        self.draft.train()
+        return result
+
+    def _score(self, evaluation: dict) -> float | None:
+        """Higher is better: mean tau over the prompt sets, else minus the held-out loss."""
+        if evaluation["tau"]:
+            return sum(evaluation["tau"].values()) / len(evaluation["tau"])
+        if "heldout_loss" in evaluation:
+            return -evaluation["heldout_loss"]
+        return None
+
+    def _evaluate_and_keep(self) -> None:
+        """Evaluate on the main process and keep the draft when it is the best so far; the others wait."""
+        if self.dist.is_main:
+            evaluation = self.evaluate()
+            score = self._score(evaluation)
+            self.evaluations.append(evaluation)
+            self._append_metrics({"eval": evaluation})
+            if score is not None and (self.best is None or score > self._score(self.best)):
+                self.best = evaluation
+                _save_draft_atomic(self.draft, self.run_dir / BEST_DIR)
+            if self.progress:
+                taus = ", ".join(f"{k} {v:.2f}" for k, v in evaluation["tau"].items())
+                tqdm.write(f"step {self.step}: tau {taus or '-'}; held-out loss {evaluation.get('heldout_loss', 0):.3f}")
+        self.evaluations, self.best = broadcast_object((self.evaluations, self.best))
+        barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, session_seconds: float) -> None:
+        """Write the full training state atomically, keep the newest `keep_checkpoints`."""
+        if self.dist.is_main:
+            state = {
+                "draft": self.draft.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "step": self.step,
+                "elapsed": self.elapsed + session_seconds,
+                "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                "evaluations": self.evaluations,
+                "best": self.best,
+                "fingerprint": self._fingerprint(),
+            }
+            folder = self.run_dir / CHECKPOINT_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"step-{self.step:08d}.pt"
+            temporary = path.with_suffix(".tmp")
+            torch.save(state, temporary)
+            os.replace(temporary, path)
+            for old in sorted(folder.glob("step-*.pt"))[: -self.config.keep_checkpoints]:
+                old.unlink()
+        barrier()
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint of the run folder, if any (every process reads the same file)."""
+        checkpoints = sorted((self.run_dir / CHECKPOINT_DIR).glob("step-*.pt"))
+        if not checkpoints:
+            return
+        state = torch.load(checkpoints[-1], map_location="cpu", weights_only=False)
+        fingerprint = self._fingerprint()
+        if state["fingerprint"] != fingerprint:
+            changed = sorted(k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k])
+            raise ValueError(
+                f"{self.run_dir} holds a run with other settings (differences: {', '.join(changed)}): resume with "
+                "the same data and settings, or choose another run folder"
+            )
+        self.draft.load_state_dict(state["draft"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.elapsed = state["elapsed"]
+        self.evaluations = state["evaluations"]
+        self.best = state["best"]
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if self.progress:
+            tqdm.write(f"resuming {self.run_dir} from step {self.step} of {self.total_steps}")
+
+    def kept_draft(self) -> DFlashDraftModel:
+        """The draft to ship: the best evaluated one when evaluations were made, else the current weights."""
+        best = self.run_dir / BEST_DIR
+        if self.best is not None and best.is_dir():
+            return DFlashDraftModel.from_pretrained(best).to(self.dist.device)
+        return self.draft
+
+
+def _save_draft_atomic(draft: DFlashDraftModel, folder: Path) -> None:
+    temporary = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    draft.save_pretrained(temporary)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(temporary, folder)
+
+
+def save_trained_draft(
+    draft: DFlashDraftModel, output_dir: str | Path, summary: TrainSummary, card: Mapping
+) -> Path:
+    """Write the draft folder (SPEC section 2 format), its model card README.md and training.json."""
+    output_dir = Path(output_dir)
+    _save_draft_atomic(draft, output_dir)
+    (output_dir / "training.json").write_text(json.dumps({**card, "summary": asdict(summary)}, indent=2) + "\n")
+    (output_dir / "README.md").write_text(model_card(draft, summary, card))
+    return output_dir
+
+
+def model_card(draft: DFlashDraftModel, summary: TrainSummary, card: Mapping) -> str:
+    """The model card: what the draft is for, how it was trained, and what it reaches."""
+    config = draft.config
+    vocab_size = config.dflash_config.get("draft_vocab_size")
+    lines = [
+        f"# DFlash draft for {card.get('target', 'its target')}",
+        "",
+        "A block-diffusion draft model for lossless speculative decoding with "
+        "[flashdraft](https://pypi.org/project/flashdraft/) (DFlash checkpoint format: `config.json` + safetensors).",
+        "",
+        "## Model",
+        "",
+        f"- target: `{card.get('target')}` ({config.num_target_layers} layers, hidden size {config.hidden_size})",
+        f"- draft layers: {config.num_hidden_layers}; block size {config.block_size}; "
+        f"mask token id {draft.mask_token_id}; target feature layers {draft.target_layer_ids}",
+        f"- trainable parameters: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M",
+        f"- drafting vocabulary: {f'{vocab_size} most frequent target output tokens (`draft_vocab_ids`)' if vocab_size else 'the full target vocabulary'}",
+        "",
+        "## Training data",
+        "",
+    ]
+    for source, counts in (card.get("data") or {}).items():
+        lines.append(f"- {source}: {counts.get('sequences', 0)} sequences, {counts.get('tokens', 0)} response tokens")
+    lines += ["", f"Labels: {card.get('labels', 'n/a')}.", "", "## Training", ""]
+    lines += [
+        f"- steps: {summary.steps} ({summary.epochs:.2f} epochs over {summary.train_sequences} sequences)",
+        f"- wall time: {summary.seconds / 60:.1f} minutes",
+        f"- final training loss {summary.final_loss:.3f}; per-position accuracy "
+        + " ".join(f"{a:.2f}" for a in summary.final_accuracy),
+    ]
+    for key, value in (card.get("settings") or {}).items():
+        lines.append(f"- {key}: {value}")
+    lines += ["", "## Acceptance (tau, greedy, pooled over the rounds of the held-out prompts)", ""]
+    if summary.best is not None:
+        lines.append(f"Kept draft: step {summary.best['step']}.")
+        lines.append("")
+        for name, tau in summary.best["tau"].items():
+            lines.append(f"- {name}: tau {tau:.2f}")
+        if "heldout_accuracy" in summary.best:
+            lines.append(
+                "- held-out per-position accuracy: " + " ".join(f"{a:.2f}" for a in summary.best["heldout_accuracy"])
+            )
+    else:
+        lines.append("Not evaluated.")
+    lines += ["", "## Reproduce", "", "```", card.get("command", ""), "```", ""]
+    return "\n".join(lines)

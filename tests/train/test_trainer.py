@@ -1,0 +1,277 @@
+"""The trainer on tiny models: it learns, resumes a killed run to the same weights, accumulates exactly, stores
+features offline equal to online ones, evaluates with real speculative decoding, keeps the best draft, writes the
+output folder, and stops bad input before any work."""
+
+import json
+import math
+from collections import namedtuple
+
+import pytest
+import torch
+
+from flashdraft import DFlashDraftModel
+from flashdraft.draft import check_draft_folder
+from flashdraft.train import features as features_module
+from flashdraft.train import trainer as trainer_module
+from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store, check_feature_layers
+from flashdraft.train.loss import DraftVocabulary
+from flashdraft.train.trainer import TrainConfig, Trainer, _lr_factor, init_from_target, save_trained_draft
+from train.tiny_training import FEATURE_LAYERS, MASK, VOCAB, one_thread, pattern_sequences, target_and_draft  # noqa: F401
+
+
+def weights(draft):
+    return {name: tensor.detach().clone() for name, tensor in draft.state_dict().items()}
+
+
+def make_trainer(tmp_path, name="run", *, draft_seed=1, sequences=None, config=None, **kwargs):
+    target, draft = target_and_draft(draft_seed=draft_seed)
+    sequences = sequences if sequences is not None else pattern_sequences(12)
+    config = config or TrainConfig(num_anchors=4, batch_size=2, epochs=2, checkpoint_every=3, learning_rate=3e-3,
+                                   log_every=2)
+    return Trainer(draft, target, sequences, OnlineFeatures(target, FEATURE_LAYERS), tmp_path / name, config,
+                   progress=False, **kwargs)
+
+
+def test_learns_a_pattern(tmp_path):
+    config = TrainConfig(num_anchors=8, batch_size=4, max_steps=60, learning_rate=1e-2, warmup_ratio=0.1,
+                         checkpoint_every=100)
+    trainer = make_trainer(tmp_path, sequences=pattern_sequences(64), config=config,
+                           heldout=pattern_sequences(8, seed=9))
+    before = trainer.evaluate()
+    summary = trainer.train()
+    after = summary.evaluations[-1]
+    assert summary.steps == 60
+    assert after["heldout_loss"] < 0.4 * before["heldout_loss"]
+    assert min(after["heldout_accuracy"]) > 0.5 > 0.1 > max(before["heldout_accuracy"])
+    assert summary.final_accuracy[0] > 0.7
+
+
+class Killed(Exception):
+    pass
+
+
+def test_killed_run_resumes_to_the_same_weights(tmp_path):
+    heldout = pattern_sequences(3, seed=5)
+    config = TrainConfig(num_anchors=4, batch_size=2, max_steps=10, checkpoint_every=3, eval_every=4,
+                         learning_rate=3e-3)
+    whole = make_trainer(tmp_path, "whole", config=config, heldout=heldout)
+    whole_summary = whole.train()
+
+    class KilledTrainer(Trainer):
+        def train_step(self):
+            if self.step == 7:
+                raise Killed  # dies during step 8, after the checkpoint of step 6
+            return super().train_step()
+
+    target, draft = target_and_draft(draft_seed=1)
+    killed = KilledTrainer(draft, target, pattern_sequences(12), OnlineFeatures(target, FEATURE_LAYERS),
+                           tmp_path / "killed", config, heldout=heldout, progress=False)
+    with pytest.raises(Killed):
+        killed.train()
+    # A new process: other random initial weights, which the checkpoint must replace.
+    resumed = make_trainer(tmp_path, "killed", draft_seed=99, config=config, heldout=heldout)
+    assert resumed.step == 6
+    summary = resumed.train()
+    assert summary.steps == 10
+    expected = weights(whole.draft)
+    for name, tensor in weights(resumed.draft).items():
+        assert torch.equal(tensor, expected[name]), name
+    assert summary.evaluations == whole_summary.evaluations
+    assert [e["step"] for e in summary.evaluations] == [4, 8, 10]
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=2, max_steps=3, checkpoint_every=3)).train()
+    with pytest.raises(ValueError, match="other settings.*global_batch"):
+        make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=3, max_steps=3))
+
+
+def test_gradient_accumulation_equals_a_bigger_batch(tmp_path):
+    big = make_trainer(tmp_path, "big", config=TrainConfig(num_anchors=4, batch_size=4, max_steps=2))
+    accumulated = make_trainer(tmp_path, "acc", config=TrainConfig(num_anchors=4, batch_size=1, grad_accum=4,
+                                                                   max_steps=2))
+    big.train()
+    accumulated.train()
+    expected = weights(big.draft)
+    for name, tensor in weights(accumulated.draft).items():
+        assert torch.allclose(tensor, expected[name], atol=1e-5), name
+
+
+def test_each_epoch_sees_every_sequence_once_in_a_new_order(tmp_path):
+    trainer = make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=2, epochs=2))
+    assert trainer.steps_per_epoch == 6 and trainer.total_steps == 12
+    epochs = {0: [], 1: []}
+    for step in range(12):
+        epoch, micro = trainer.micro_batches(step)
+        epochs[epoch] += [s.id for batch in micro for s in batch]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(s.id for s in trainer.sequences)
+    assert epochs[0] != epochs[1]
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    assert _lr_factor(0, 4, 100) == 0.25 and _lr_factor(3, 4, 100) == 1.0
+    assert math.isclose(_lr_factor(52, 4, 100), 0.5)
+    assert _lr_factor(100, 4, 100) == 0.0
+    assert _lr_factor(0, 0, 10) == 1.0
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 0.0), ("float16", 2e-2), ("bfloat16", 1e-1)])
+def test_offline_features_equal_online_ones(tmp_path, dtype, tolerance):
+    target, _ = target_and_draft()
+    sequences = pattern_sequences(5)
+    online = OnlineFeatures(target, FEATURE_LAYERS)
+    store = build_feature_store(target, sequences, tmp_path / "features", FEATURE_LAYERS, dtype=dtype, batch_size=2,
+                                progress=False)
+    for context in (3, 10, 40):
+        expected = online(sequences, context)
+        stored = store(sequences, context)
+        assert stored.shape == expected.shape == (5, context, 64)
+        assert (stored - expected).abs().max() <= tolerance + 1e-6
+
+
+def test_feature_store_resumes_after_a_kill_and_refuses_other_data(tmp_path, monkeypatch):
+    target, _ = target_and_draft()
+    sequences = pattern_sequences(7)
+    real = features_module.extract_features
+    calls = []
+
+    def dies_on_third_batch(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Killed
+        return real(*args)
+
+    monkeypatch.setattr(features_module, "extract_features", dies_on_third_batch)
+    with pytest.raises(Killed):
+        build_feature_store(target, sequences, tmp_path / "f", FEATURE_LAYERS, dtype="float32", batch_size=2,
+                            progress=False)
+    with pytest.raises(ValueError, match="incomplete"):
+        FeatureStore(tmp_path / "f")
+    monkeypatch.setattr(features_module, "extract_features", real)
+    store = build_feature_store(target, sequences, tmp_path / "f", FEATURE_LAYERS, dtype="float32", batch_size=2,
+                                progress=False)
+    assert torch.allclose(store(sequences, 20), OnlineFeatures(target, FEATURE_LAYERS)(sequences, 20), atol=1e-6)
+    with pytest.raises(ValueError, match="other data"):
+        build_feature_store(target, pattern_sequences(7, seed=3), tmp_path / "f", FEATURE_LAYERS, dtype="float32",
+                            progress=False)
+
+
+def test_trains_from_an_offline_store_like_online(tmp_path):
+    target, _ = target_and_draft()
+    sequences = pattern_sequences(12)
+    store = build_feature_store(target, sequences, tmp_path / "f", FEATURE_LAYERS, dtype="float32", progress=False)
+    config = TrainConfig(num_anchors=4, batch_size=2, max_steps=3)
+    online = make_trainer(tmp_path, "online", config=config)
+    target2, draft2 = target_and_draft()
+    offline = Trainer(draft2, target2, sequences, store, tmp_path / "offline", config, progress=False)
+    online.train()
+    offline.train()
+    expected = weights(online.draft)
+    for name, tensor in weights(offline.draft).items():
+        assert torch.allclose(tensor, expected[name], atol=1e-6), name
+
+
+def test_evaluates_by_speculative_decoding_keeps_the_best_and_writes_the_output(tmp_path):
+    sequences = pattern_sequences(12)
+    vocabulary, coverage = DraftVocabulary.most_frequent(sequences, 40, VOCAB)
+    prompts = {"pattern": [s.input_ids[: s.response_start + 1].tolist() for s in pattern_sequences(2, seed=7)]}
+    config = TrainConfig(num_anchors=4, batch_size=2, max_steps=6, eval_every=2, eval_max_new_tokens=8)
+    trainer = make_trainer(tmp_path, sequences=sequences, config=config, vocabulary=vocabulary,
+                           eval_prompts=prompts, heldout=pattern_sequences(2, seed=8))
+    summary = trainer.train()
+    assert [e["step"] for e in summary.evaluations] == [2, 4, 6]
+    taus = [e["tau"]["pattern"] for e in summary.evaluations]
+    assert all(1.0 <= tau <= 4.0 for tau in taus)
+    assert summary.best["tau"]["pattern"] == max(taus)
+    kept = trainer.kept_draft()
+    assert torch.equal(kept.draft_vocab_ids, vocabulary.ids)
+    card = {"target": "tiny-llama", "data": {"pattern": {"sequences": 12, "tokens": 200}},
+            "labels": "the target's own responses", "command": "flashdraft train --target tiny"}
+    output = save_trained_draft(kept, tmp_path / "out", summary, card)
+    check_draft_folder(output)
+    loaded = DFlashDraftModel.from_pretrained(output)
+    assert torch.equal(loaded.draft_vocab_ids, vocabulary.ids)
+    readme = (output / "README.md").read_text()
+    for text in ("tiny-llama", "flashdraft train --target tiny", f"pattern: tau {max(taus):.2f}", "steps: 6",
+                 "40 most frequent"):
+        assert text in readme, text
+    assert json.loads((output / "training.json").read_text())["summary"]["steps"] == 6
+
+
+def test_init_from_target_copies_the_last_layers():
+    target, draft = target_and_draft(num_layers=2)
+    copied = init_from_target(draft, target)
+    assert copied == 2 * 9 + 1  # q k v o, gate up down, two layer norms per layer; the final norm
+    assert torch.equal(draft.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+    assert torch.equal(draft.layers[0].self_attn.q_proj.weight, target.model.layers[2].self_attn.q_proj.weight)
+    assert torch.equal(draft.layers[0].self_attn.q_norm.weight, torch.ones(8))
+
+
+# ---------------------------------------------------------------- bad input, before any work
+
+
+def test_draft_for_another_target_is_refused(tmp_path):
+    target, _ = target_and_draft()
+    other = target_and_draft()[1]
+    other.config.num_target_layers = 6
+    with pytest.raises(ValueError, match="6 layers, target has 4"):
+        Trainer(other, target, pattern_sequences(4), OnlineFeatures(target, FEATURE_LAYERS), tmp_path / "r",
+                progress=False)
+    wide = DFlashDraftModel.for_target(target.config, num_layers=1, block_size=4, mask_token_id=MASK,
+                                       target_layer_ids=FEATURE_LAYERS)
+    wide.config.vocab_size = 100
+    with pytest.raises(ValueError, match="vocabulary of 100"):
+        Trainer(wide, target, pattern_sequences(4), OnlineFeatures(target, FEATURE_LAYERS), tmp_path / "r",
+                progress=False)
+
+
+def test_feature_layers_beyond_the_target_are_refused():
+    with pytest.raises(ValueError, match=r"feature layers \[5\] do not exist: the target has 4 layers"):
+        check_feature_layers([1, 5], 4)
+    with pytest.raises(ValueError, match="repeat"):
+        check_feature_layers([1, 1], 4)
+    target, _ = target_and_draft()
+    with pytest.raises(ValueError, match="do not exist"):
+        OnlineFeatures(target, [0, 4])
+
+
+def test_empty_training_set_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="training set is empty"):
+        make_trainer(tmp_path, sequences=[])
+    too_short = pattern_sequences(4, min_length=2, max_length=2)
+    with pytest.raises(ValueError, match="training set is empty"):
+        make_trainer(tmp_path, sequences=[s for s in too_short if len(s.anchor_positions) == 0])
+    with pytest.raises(ValueError, match="cannot fill one global batch"):
+        make_trainer(tmp_path, sequences=pattern_sequences(3), config=TrainConfig(batch_size=4))
+
+
+def test_unwritable_or_full_run_folder_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(ValueError, match="cannot write the checkpoints"):
+        make_trainer(tmp_path, "file/run")
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(trainer_module.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
+    with pytest.raises(ValueError, match="GB free but the checkpoints needs"):
+        make_trainer(tmp_path)
+    monkeypatch.setattr(features_module.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
+    target, _ = target_and_draft()
+    with pytest.raises(ValueError, match="GB free but the features need"):
+        build_feature_store(target, pattern_sequences(3), tmp_path / "f", FEATURE_LAYERS, progress=False)
+    assert not (tmp_path / "f" / "meta.json").exists()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="num_anchors"):
+        TrainConfig(num_anchors=0)
+    with pytest.raises(ValueError, match="distill_weight"):
+        TrainConfig(distill_weight=1.5)
+    with pytest.raises(ValueError, match="warmup_ratio"):
+        TrainConfig(warmup_ratio=1.0)
+
+
+def test_cleanup_of_old_checkpoints(tmp_path):
+    trainer = make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=2, max_steps=7, checkpoint_every=2,
+                                                        keep_checkpoints=2))
+    trainer.train()
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert kept == ["step-00000006.pt", "step-00000007.pt"]
