@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from .draft import DFlashDraftModel
@@ -54,12 +55,13 @@ class Proposer(Protocol):
     """
 
     target_layer_ids: list[int] | None
+    vocab_ids: torch.Tensor | None  # [V_draft] target ids of the proposer's logits' columns; None: all V
 
     def begin(self, max_positions: int) -> None: ...
 
     def propose(
         self, anchor: torch.Tensor, context: torch.Tensor | None, start: int, block_size: int
-    ) -> torch.Tensor: ...  # [block_size - 1, V]
+    ) -> torch.Tensor: ...  # [block_size - 1, V_draft]
 
 
 class DFlashProposer:
@@ -70,6 +72,16 @@ class DFlashProposer:
         self.draft = draft
         self.target = target
         self.target_layer_ids = draft.target_layer_ids
+        self.vocab_ids = draft.draft_vocab_ids
+        head = target.lm_head
+        if self.vocab_ids is None:
+            self.head = head
+        else:  # only the rows of the drafting vocabulary: the full head dominates a small draft's cost
+            rows = nn.Linear(head.in_features, len(self.vocab_ids), bias=head.bias is not None)
+            rows.weight = nn.Parameter(head.weight[self.vocab_ids].detach(), requires_grad=False)
+            if head.bias is not None:
+                rows.bias = nn.Parameter(head.bias[self.vocab_ids].detach(), requires_grad=False)
+            self.head = rows
 
     def begin(self, max_positions: int) -> None:
         device = self.target.device
@@ -85,7 +97,7 @@ class DFlashProposer:
             self.target.embed(block), context, self.positions[:, first_position : start + block_size], self.cache
         )
         self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
-        return self.target.head(hidden[:, 1:])[0]  # the anchor's output is dropped
+        return self.head(hidden[:, 1:])[0]  # the anchor's output is dropped
 
 
 def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:
@@ -245,12 +257,16 @@ def _decode(
         size = min(block_size, max_new_tokens - len(result.tokens))
         proposals, q = no_proposals, None
         if size > 1:
-            draft_logits = proposer.propose(anchor, context, start, size)  # [B-1, V]
+            draft_logits = proposer.propose(anchor, context, start, size)  # [B-1, V_draft]
             if params.greedy:
                 proposals = draft_logits.argmax(dim=-1)
             else:
                 q = probabilities(draft_logits, params)
                 proposals = sample(q, generator)
+            if proposer.vocab_ids is not None:  # map drafting-vocabulary columns back to target ids
+                proposals = proposer.vocab_ids[proposals]
+                if q is not None:
+                    q = q.new_zeros(size - 1, target.vocab_size).index_copy_(1, proposer.vocab_ids, q)
         elif not params.greedy:
             q = logits.new_empty(0, target.vocab_size)
 

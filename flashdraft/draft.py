@@ -154,6 +154,11 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        # Optional reduced drafting vocabulary: the sorted target token ids the draft proposes from. Readers
+        # that ignore it still decode correctly, drafting over the full vocabulary instead.
+        draft_vocab_size = config.dflash_config.get("draft_vocab_size")
+        ids = torch.zeros(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None
+        self.register_buffer("draft_vocab_ids", ids, persistent=True)
         self.post_init()
 
     @property
@@ -167,6 +172,18 @@ class DFlashDraftModel(PreTrainedModel):
     @property
     def target_layer_ids(self) -> list[int]:
         return list(self.config.dflash_config["target_layer_ids"])
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> None:
+        """Draft over these target token ids only (None: the full vocabulary). Saved with the checkpoint."""
+        if token_ids is None:
+            self.draft_vocab_ids = None
+            self.config.dflash_config.pop("draft_vocab_size", None)
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be non-empty and within [0, {self.config.vocab_size})")
+        self.draft_vocab_ids = ids.to(self.fc.weight.device)
+        self.config.dflash_config["draft_vocab_size"] = ids.numel()
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[b, c, k*d] concatenated target features -> [b, c, d] context signal shared by all layers."""
@@ -307,6 +324,8 @@ def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "hidden_norm.weight": (d,),
         "norm.weight": (d,),
     }
+    if config.dflash_config.get("draft_vocab_size"):
+        shapes["draft_vocab_ids"] = (config.dflash_config["draft_vocab_size"],)
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         shapes |= {

@@ -100,6 +100,7 @@ class OracleProposer:
     """
 
     target_layer_ids = None
+    vocab_ids = None
 
     def __init__(self, prompt_length: int, continuation: list[int], vocab_size: int, wrong_at=frozenset()):
         self.prompt_length = prompt_length
