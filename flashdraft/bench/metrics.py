@@ -62,12 +62,16 @@ class Summary:
 
 
 def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
-    """One summary per (dataset, method), in the order they first appear in `records`."""
+    """One summary per (dataset, method): datasets, and the methods within each, in the order they first appear in
+    `records` (the runner rotates the method order from prompt to prompt; its first prompt has the listed order)."""
     groups: dict[tuple[str, str], list[Record]] = {}
     for record in records:
         groups.setdefault((record.dataset, record.method), []).append(record)
+    datasets = dict.fromkeys(record.dataset for record in records)
+    methods = dict.fromkeys(record.method for record in records)
     summaries = []
-    for (dataset, method), group in groups.items():
+    for dataset, method in [(d, m) for d in datasets for m in methods if (d, m) in groups]:
+        group = groups[dataset, method]
         baseline = groups.get((dataset, BASELINE))
         if baseline is None:
             raise ValueError(f"dataset {dataset!r} has no {BASELINE!r} records to compare against")

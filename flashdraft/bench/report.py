@@ -140,7 +140,8 @@ def plot_acceptance(summaries: Sequence[Summary], path: Path) -> None:
         axes.set_xlabel("acceptance length (tokens per target forward)")
         axes.set_ylabel("share of rounds")
         axes.set_xticks(range(1, longest + 1))
-        axes.legend(fontsize="small")
+        if methods:  # with `ar` alone there is nothing to compare
+            axes.legend(fontsize="small")
     figure.savefig(path, dpi=120)
 
 

@@ -50,10 +50,10 @@ def test_summary_per_dataset_and_method():
         # dataset d: ar decodes 8 tokens in 4 s (2 tok/s); spec decodes 8 tokens in 1 s (8 tok/s)
         record("ar", range(9), 4.5, 0.5, [1] * 8),
         record("spec", range(9), 1.25, 0.25, [4, 3, 1]),
-        # dataset e: spec differs from ar on one of two prompts
+        # dataset e: spec differs from ar on one of two prompts; spec ran first here, the rows keep d's order
+        record("spec", [1, 2, 3], 1.0, 0.5, [2], dataset="e", sample="p"),
         record("ar", [1, 2, 3], 2.0, 1.0, [1, 1], dataset="e", sample="p"),
         record("ar", [4, 5, 6], 2.0, 1.0, [1, 1], dataset="e", sample="q"),
-        record("spec", [1, 2, 3], 1.0, 0.5, [2], dataset="e", sample="p"),
         record("spec", [4, 5, 9], 1.0, 0.5, [2], dataset="e", sample="q"),
     ]
     summaries = {(s.dataset, s.method): s for s in summarize(records, greedy=True)}
