@@ -1,0 +1,342 @@
+"""The FastAPI application: OpenAI-compatible routes over an already loaded `Engine`.
+
+`create_app(engine)` builds the app and its `Worker`; the worker thread starts and stops with the app's lifespan.
+Routes validate a request, turn it into prompt token ids and a `Job`, queue the job (429 when the queue is full)
+and answer either with one JSON body or with server-sent events in OpenAI's chunk format, ending with
+`data: [DONE]`. Every error, ours or the framework's, leaves in OpenAI's error schema
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..sampling import SamplingParams
+from .schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    Usage,
+)
+from .worker import Engine, Failed, Finished, Job, QueueFull, TextDelta, Worker
+
+# OpenAI's default for /v1/completions (chat defaults to the rest of the context); also used for chat when the
+# target's config does not say how long its context is.
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's schema with the given HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
+
+
+def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(), status_code=error.status, headers=headers)
+
+
+def _validation_error(error: RequestValidationError) -> APIError:
+    """FastAPI's list of validation errors -> one 400 naming the field and what is wrong with it."""
+    problems = error.errors()
+    first = problems[0]
+    loc = [part for part in first["loc"] if part != "body"]
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "malformed JSON")
+        position = f" at character {loc[0]}" if loc else ""
+        return APIError(400, f"the request body is not valid JSON ({reason}{position})", code="invalid_json")
+    if not loc:  # the body as a whole: missing, or not a JSON object
+        return APIError(
+            400, "the request body must be a JSON object (send it with Content-Type: application/json)",
+            code="invalid_body",
+        )
+    param = str(loc[0])
+    if first["type"] == "missing":
+        return APIError(400, f"missing required field `{param}`", param=param, code="missing_required_parameter")
+    # A union type reports one error per alternative, each under its own tag in the location: report the field
+    # where they part (the common prefix of their locations) and their distinct messages.
+    same_field = [problem for problem in problems if [p for p in problem["loc"] if p != "body"][:1] == loc[:1]]
+    locs = [[p for p in problem["loc"] if p != "body"] for problem in same_field]
+    common = next(
+        (loc[:i] for i in range(len(loc)) if any(len(other) <= i or other[i] != loc[i] for other in locs)), loc
+    )
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in common).lstrip(".")
+    messages = dict.fromkeys(problem["msg"].removeprefix("Value error, ") for problem in same_field)
+    return APIError(400, f"invalid `{where}`: {'; or '.join(messages)}", param=param, code="invalid_value")
+
+
+class ChatFormat:
+    """Response bodies of /v1/chat/completions."""
+
+    def __init__(self, model: str):
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+
+    def _chunk(self, choices, **extra) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+
+    def delta(self, text: str, first: bool) -> ChatCompletionChunk:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return self._chunk([ChatChunkChoice(delta=delta)])
+
+    def finish(self, finished: Finished) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(delta={}, finish_reason=finished.finish_reason)
+        return self._chunk([choice], flashdraft=finished.statistics)
+
+    def usage(self, usage: Usage) -> ChatCompletionChunk:
+        return self._chunk([], usage=usage)
+
+    def response(self, text: str, finished: Finished, usage: Usage) -> ChatCompletion:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finished.finish_reason)
+        return ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage,
+            flashdraft=finished.statistics,
+        )
+
+
+class CompletionFormat:
+    """Response bodies of /v1/completions; a chunk is a completion without usage."""
+
+    def __init__(self, model: str):
+        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
+
+    def _completion(self, choices, **extra) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+
+    def delta(self, text: str, first: bool) -> Completion:
+        return self._completion([CompletionChoice(text=text)])
+
+    def finish(self, finished: Finished) -> Completion:
+        choice = CompletionChoice(text="", finish_reason=finished.finish_reason)
+        return self._completion([choice], flashdraft=finished.statistics)
+
+    def usage(self, usage: Usage) -> Completion:
+        return self._completion([], usage=usage)
+
+    def response(self, text: str, finished: Finished, usage: Usage) -> Completion:
+        choice = CompletionChoice(text=text, finish_reason=finished.finish_reason)
+        return self._completion([choice], usage=usage, flashdraft=finished.statistics)
+
+
+def _sse(body) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def _events(job: Job) -> AsyncIterator[TextDelta | Finished | Failed]:
+    while True:
+        event = await job.events.get()
+        yield event
+        if not isinstance(event, TextDelta):
+            return
+
+
+def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
+    """The server's FastAPI app over `engine`, with a worker whose queue holds up to `max_queue` requests."""
+    worker = Worker(engine, max_queue)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(
+        title="flashdraft",
+        version=__version__,
+        description="OpenAI-compatible API over lossless DFlash speculative decoding.",
+        lifespan=lifespan,
+    )
+    app.state.worker = worker
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return _error_response(error, {"Retry-After": "1"} if error.status == 429 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        return _error_response(_validation_error(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(error.status_code, f"{request.url.path}: {error.detail}", type=kind))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception):
+        return _error_response(APIError(500, f"internal error: {error}", type="server_error"))
+
+    # ------------------------------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness and load: the running and queued requests and what the worker has done so far."""
+        return {
+            "status": "ok",
+            "model": engine.name,
+            "running": int(worker.running is not None),
+            "queued": worker.queued,
+            "max_queue": worker.max_queue,
+            "completed": worker.completed,
+            "cancelled": worker.cancelled,
+            "failed": worker.failed,
+        }
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=engine.name, created=started, max_model_len=engine.context_length)])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_request(body)
+        messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+        prompt = _tokenize(engine.chat_prompt, messages, "messages")
+        max_tokens = _token_budget(len(prompt), body.token_budget, "messages", default=None)
+        return await _respond(request, body, prompt, max_tokens, ChatFormat(engine.name))
+
+    @app.post("/v1/completions", response_model=Completion)
+    async def completions(body: CompletionRequest, request: Request):
+        _check_request(body)
+        prompt_input = body.prompt
+        if isinstance(prompt_input, list) and prompt_input and isinstance(prompt_input[0], (str, list)):
+            if len(prompt_input) != 1:
+                raise APIError(
+                    400, f"one prompt per request: got {len(prompt_input)}; send them as separate requests",
+                    param="prompt", code="unsupported_parameter",
+                )
+            prompt_input = prompt_input[0]
+        prompt = _tokenize(engine.text_prompt, prompt_input, "prompt")
+        max_tokens = _token_budget(len(prompt), body.token_budget, "prompt", default=DEFAULT_COMPLETION_TOKENS)
+        return await _respond(request, body, prompt, max_tokens, CompletionFormat(engine.name))
+
+    # ----------------------------------------------------------------------------------------- helpers
+
+    def _check_request(body: SamplingRequest) -> None:
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            param, message = unsupported
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+        if body.model is not None and body.model != engine.name:
+            raise APIError(
+                404, f"model {body.model!r} is not served here: this server serves {engine.name!r} (see /v1/models)",
+                param="model", code="model_not_found",
+            )
+
+    def _tokenize(to_ids, prompt_input, param: str) -> list[int]:
+        try:
+            prompt = to_ids(prompt_input)
+        except ValueError as error:
+            raise APIError(400, str(error), param=param) from error
+        if not prompt:
+            raise APIError(400, f"the {param} tokenize to nothing: give at least one token", param=param)
+        return prompt
+
+    def _token_budget(prompt_tokens: int, requested: int | None, prompt_param: str, default: int | None) -> int:
+        """max_tokens for the job: the requested number, else the default (None: the rest of the context)."""
+        limit = engine.context_length
+        if limit is None:
+            return requested or default or DEFAULT_COMPLETION_TOKENS
+        room = limit - prompt_tokens
+        if room < 1:
+            raise APIError(
+                400, f"the {prompt_param} take {prompt_tokens} tokens, the model's context length is {limit}: "
+                "no room is left for the completion; shorten the prompt",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        if requested is None:
+            return min(default, room) if default else room
+        if requested > room:
+            raise APIError(
+                400, f"the {prompt_param} ({prompt_tokens} tokens) plus max_tokens ({requested}) exceed the "
+                f"model's context length of {limit} tokens: shorten the prompt or lower max_tokens",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return requested
+
+    async def _respond(request: Request, body: SamplingRequest, prompt: list[int], max_tokens: int, format):
+        sampling = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+        )
+        job = Job(prompt, max_tokens, sampling, body.seed, body.stop, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except QueueFull as error:
+            raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
+        if body.stream:
+            return StreamingResponse(
+                _stream(job, format, len(prompt), body.include_usage), media_type="text/event-stream"
+            )
+        return await _collect(request, job, format, len(prompt))
+
+    async def _stream(job: Job, format, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        # A client that leaves makes the server cancel this generator: `finally` cancels the job.
+        try:
+            first = True
+            async for event in _events(job):
+                if isinstance(event, Failed):
+                    yield f"data: {APIError(500, event.message, type='server_error').body.model_dump_json()}\n\n"
+                    break
+                if isinstance(event, TextDelta) or first:  # the first chunk carries the role, even if empty
+                    yield _sse(format.delta(event.text if isinstance(event, TextDelta) else "", first))
+                    first = False
+                if isinstance(event, Finished):
+                    yield _sse(format.finish(event))
+                    if include_usage:
+                        yield _sse(format.usage(_usage(prompt_tokens, event)))
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()  # no effect once the job has finished
+
+    async def _collect(request: Request, job: Job, format, prompt_tokens: int):
+        # Nothing is written before the end, so a departed client is noticed by listening for its disconnect.
+        async def cancel_when_gone():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            job.cancel()
+
+        watcher = asyncio.create_task(cancel_when_gone())
+        try:
+            parts = []
+            async for event in _events(job):
+                if isinstance(event, TextDelta):
+                    parts.append(event.text)
+                elif isinstance(event, Failed):
+                    raise APIError(500, event.message, type="server_error")
+                else:
+                    return format.response("".join(parts), event, _usage(prompt_tokens, event))
+        finally:
+            watcher.cancel()
+            job.cancel()
+
+    return app
+
+
+def _usage(prompt_tokens: int, finished: Finished) -> Usage:
+    completion = finished.completion_tokens
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)

@@ -1,0 +1,249 @@
+"""The model side of the server: the loaded models (`Engine`) and the thread that decodes requests (`Worker`).
+
+Requests become `Job`s on a bounded queue. One worker thread takes them in order and runs `flashdraft.stream`
+for each, turning every round's tokens into text (`IncrementalText`) and handing the pieces back to the event
+loop as events (`TextDelta`, then `Finished` or `Failed`) through `loop.call_soon_threadsafe`. The event loop
+never runs a model, so it keeps accepting, validating and rejecting requests while the worker decodes.
+
+A job whose client has gone is cancelled: the worker checks after every round and closes the token stream, so
+the slot is free within one round; a cancelled job still in the queue is skipped without running.
+
+Decoding is batch size 1. A batched worker would take several jobs off the same queue and step them together;
+the `Job` and event interface the routes use would not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from jinja2.exceptions import TemplateError
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..decoding import check_compatible, stream
+from ..draft import DFlashDraftModel
+from ..sampling import SamplingParams
+from ..target import TargetModel
+from ..text import encode_chat, stop_token_ids
+from .schemas import Statistics
+from .text import IncrementalText
+
+logger = logging.getLogger("flashdraft.serve")
+
+
+@dataclass
+class Engine:
+    """What a server serves: a target, its tokenizer, an optional draft and the name clients call it by."""
+
+    target: TargetModel
+    tokenizer: PreTrainedTokenizerBase
+    draft: DFlashDraftModel | None
+    name: str
+    block_size: int  # tokens per verification; 1 = plain autoregressive decoding
+    stop_token_ids: frozenset[int]  # end of sequence / end of turn: generation stops on any of them
+
+    @classmethod
+    def from_models(
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        draft: DFlashDraftModel | None,
+        *,
+        name: str,
+        block_size: int | None = None,
+    ) -> "Engine":
+        """Check the models fit together (at start-up, not on the first request); generation stops on the
+        tokenizer's eos token and the generation config's eos ids (chat models put end-of-turn there)."""
+        target = TargetModel(model)
+        if draft is not None:
+            check_compatible(draft, target)
+        if block_size is None:
+            block_size = draft.block_size if draft is not None else 1
+        if block_size < 1 or (block_size > 1 and draft is None):
+            raise ValueError(f"block size {block_size} needs a draft: pass a draft, or use block size 1")
+        return cls(target, tokenizer, draft, name, block_size, frozenset(stop_token_ids(model, tokenizer)))
+
+    @property
+    def context_length(self) -> int | None:
+        """Prompt plus completion tokens the target can take, when its config says."""
+        return self.target.max_positions
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template, ready for the assistant's turn."""
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"model {self.name!r} has no chat template: use /v1/completions with a plain prompt")
+        try:
+            return encode_chat(self.tokenizer, messages)
+        except TemplateError as error:  # templates raise for conversations they do not accept
+            raise ValueError(f"the model's chat template rejected the messages: {error}") from error
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a completion prompt: text is tokenized (with BOS where the tokenizer adds one), token ids
+        are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        vocab_size = self.target.vocab_size
+        if any(not 0 <= token < vocab_size for token in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), the model's vocabulary")
+        return list(prompt)
+
+
+# Events the worker sends back to a request.
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (a stop token or stop string) or "length" (max_tokens)
+    completion_tokens: int  # tokens generated, including a final stop token
+    statistics: Statistics
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass
+class Job:
+    """One request's generation. Created on the event loop; the worker pushes events back onto it."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TextDelta*, then Finished or Failed
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """The client is gone: the worker stops this job after the current round, or skips it if queued."""
+        self.cancelled.set()
+
+    def push(self, event: TextDelta | Finished | Failed) -> None:
+        """Called from the worker thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancel()
+
+
+class QueueFull(Exception):
+    """The worker's queue holds `max_queue` jobs already."""
+
+
+class Worker:
+    """One thread decoding queued jobs one at a time (see the module docstring)."""
+
+    def __init__(self, engine: Engine, max_queue: int):
+        if max_queue < 1:
+            raise ValueError(f"the queue must hold at least one request, got max_queue={max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self._jobs: queue.Queue[Job | None] = queue.Queue(max_queue)  # None asks the thread to stop
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.running: Job | None = None
+        # Counters for /health, written by the worker thread only.
+        self.completed = 0
+        self.cancelled = 0
+        self.failed = 0
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="flashdraft-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel what is running, drop what is queued, and wait for the thread to end."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._jobs.put(None)  # may wait for a free slot; the stopping thread drains the queue quickly
+            self._thread.join()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(
+                f"the server is busy: {self.max_queue} requests are already waiting; retry shortly"
+            ) from None
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self._stopping.is_set():
+                job.push(Failed("the server is shutting down"))
+            elif job.cancelled.is_set():
+                self.cancelled += 1
+            else:
+                self.running = job
+                self._run(job)
+                self.running = None
+
+    def _run(self, job: Job) -> None:
+        queue_seconds = time.perf_counter() - job.submitted
+        engine = self.engine
+        finish_reason = None
+        try:
+            text = IncrementalText(engine.tokenizer, job.stop)
+            tokens = stream(
+                engine.target,
+                engine.draft,
+                job.prompt,
+                max_new_tokens=job.max_tokens,
+                temperature=job.sampling.temperature,
+                top_p=job.sampling.top_p,
+                top_k=job.sampling.top_k,
+                stop_token_ids=engine.stop_token_ids,
+                block_size=engine.block_size,
+                seed=job.seed,
+            )
+            with tokens:  # leaving the block closes the stream: generation stops there
+                for new_tokens in tokens:
+                    if job.cancelled.is_set():
+                        self.cancelled += 1
+                        return
+                    if self._stopping.is_set():
+                        job.push(Failed("the server is shutting down"))
+                        return
+                    delta, stopped = text.add(new_tokens)
+                    if delta:
+                        job.push(TextDelta(delta))
+                    if stopped:
+                        finish_reason = "stop"
+                        break
+        except Exception as error:  # one request's failure must not end the worker
+            logger.exception("generation failed")
+            self.failed += 1
+            job.push(Failed(f"generation failed: {error}"))
+            return
+        if finish_reason is None:
+            tail = text.finish()
+            if tail:
+                job.push(TextDelta(tail))
+            finish_reason = tokens.result.stop_reason
+        result = tokens.result
+        statistics = Statistics(
+            block_size=engine.block_size,
+            rounds=len(result.acceptance_lengths),
+            tau=result.tau,
+            acceptance_lengths=result.acceptance_lengths,
+            queue_seconds=queue_seconds,
+            prefill_seconds=result.prefill_seconds,
+            decode_seconds=result.decode_seconds,
+        )
+        self.completed += 1
+        job.push(Finished(finish_reason, len(result.tokens), statistics))

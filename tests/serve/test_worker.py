@@ -1,0 +1,143 @@
+"""The model worker and the engine, in process on tiny random models: queue bounds, cancellation, failures,
+stop ids, and output equal to `flashdraft.generate`'s."""
+
+import asyncio
+
+import pytest
+
+import flashdraft
+from flashdraft.sampling import SamplingParams
+from flashdraft.serve.worker import Engine, Failed, Finished, Job, QueueFull, TextDelta, Worker
+from tiny import tiny_draft, tiny_target, tiny_tokenizer
+
+TOKENIZER = tiny_tokenizer()
+EOT = TOKENIZER.eos_token_id
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    target = tiny_target(max_positions=512)
+    return Engine.from_models(target, TOKENIZER, tiny_draft(target, block_size=4), name="tiny")
+
+
+def job(prompt, max_tokens=8, stop=(), loop=None) -> Job:
+    return Job(list(prompt), max_tokens, GREEDY, None, list(stop), loop or asyncio.get_running_loop())
+
+
+async def collect(j: Job, timeout: float = 60) -> tuple[str, object]:
+    text = []
+    while True:
+        event = await asyncio.wait_for(j.events.get(), timeout)
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+        else:
+            return "".join(text), event
+
+
+def test_stop_ids_come_from_tokenizer_and_generation_config():
+    target = tiny_target()
+    target.generation_config.eos_token_id = [7, 9]
+    engine = Engine.from_models(target, TOKENIZER, None, name="tiny")
+    assert engine.stop_token_ids == {EOT, 7, 9}
+    assert engine.block_size == 1
+
+
+def test_block_size_above_one_needs_a_draft():
+    with pytest.raises(ValueError, match="needs a draft"):
+        Engine.from_models(tiny_target(), TOKENIZER, None, name="tiny", block_size=4)
+
+
+def test_draft_for_another_target_is_refused_at_start():
+    draft = tiny_draft(tiny_target(num_layers=6))
+    with pytest.raises(ValueError, match="layers"):
+        Engine.from_models(tiny_target(num_layers=4), TOKENIZER, draft, name="tiny")
+
+
+def test_chat_prompt_uses_the_chat_template(engine):
+    ids = engine.chat_prompt([{"role": "user", "content": "w1 w2"}])
+    assert TOKENIZER.convert_ids_to_tokens(ids) == ["<user>", "w1", "w2", "<eot>", "<assistant>"]
+
+
+def test_token_prompt_outside_the_vocabulary_is_refused(engine):
+    with pytest.raises(ValueError, match=r"\[0, 96\)"):
+        engine.text_prompt([5, 96])
+
+
+def test_queue_is_bounded(engine):
+    async def main():
+        worker = Worker(engine, max_queue=2)  # not started: nothing leaves the queue
+        worker.submit(job([5]))
+        worker.submit(job([6]))
+        with pytest.raises(QueueFull, match="2 requests are already waiting"):
+            worker.submit(job([7]))
+        assert worker.queued == 2
+
+    asyncio.run(main())
+
+
+def test_output_equals_generate_and_stops_at_end_of_turn(engine):
+    prompt = engine.chat_prompt([{"role": "user", "content": "w3 w4 w5"}])
+    reference = flashdraft.generate(
+        engine.target, engine.draft, prompt, max_new_tokens=40, stop_token_ids=engine.stop_token_ids
+    )
+
+    async def main():
+        worker = Worker(engine, max_queue=4)
+        worker.start()
+        try:
+            j = job(prompt, max_tokens=40)
+            worker.submit(j)
+            return await collect(j)
+        finally:
+            worker.stop()
+
+    text, finished = asyncio.run(main())
+    assert text == TOKENIZER.decode(reference.tokens, skip_special_tokens=True)
+    assert isinstance(finished, Finished)
+    assert finished.completion_tokens == len(reference.tokens)
+    assert finished.finish_reason == reference.stop_reason
+    assert finished.statistics.acceptance_lengths == reference.acceptance_lengths
+    assert finished.statistics.block_size == 4
+
+
+def test_cancelled_jobs_are_skipped_or_stopped_and_the_worker_goes_on(engine):
+    async def main():
+        worker = Worker(engine, max_queue=4)
+        skipped, long, short = job([5, 6]), job([7, 8], max_tokens=400), job([9], max_tokens=3)
+        skipped.cancel()
+        for j in (skipped, long, short):
+            worker.submit(j)
+        worker.start()
+        try:
+            first = await asyncio.wait_for(long.events.get(), 60)
+            assert isinstance(first, TextDelta)
+            long.cancel()
+            text, finished = await collect(short)
+            assert isinstance(finished, Finished) and finished.completion_tokens == 3
+            assert (worker.cancelled, worker.completed) == (2, 1)
+            return long
+        finally:
+            worker.stop()
+
+    long = asyncio.run(main())
+    # The long job stopped within a round of its cancellation: far fewer events than its 400 tokens.
+    assert long.events.qsize() < 20
+
+
+def test_a_failing_job_does_not_end_the_worker(engine):
+    async def main():
+        worker = Worker(engine, max_queue=4)
+        bad, good = job([5, 1000]), job([5], max_tokens=2)  # 1000 is outside the vocabulary
+        worker.submit(bad)
+        worker.submit(good)
+        worker.start()
+        try:
+            return await collect(bad), await collect(good), worker.failed
+        finally:
+            worker.stop()
+
+    (_, failure), (_, finished), failed = asyncio.run(main())
+    assert isinstance(failure, Failed) and "vocabulary" in failure.message
+    assert isinstance(finished, Finished) and finished.completion_tokens == 2
+    assert failed == 1
