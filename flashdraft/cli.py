@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = (
     "flashdraft.commands.generate",
     "flashdraft.commands.models",
+    "flashdraft.commands.serve",
     "flashdraft.commands.bench",
 )
 
