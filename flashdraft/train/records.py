@@ -62,6 +62,7 @@ class RunStats:
     written: int  # records written by this call
     already_done: int  # prompts found done by an earlier run and skipped
     tokens: int  # response tokens produced (generated or labelled) by this call
+    prompt_tokens: int  # prompt tokens the target read to produce them
     seconds: float
 
     @property
@@ -74,7 +75,7 @@ def shard_paths(folder: Path) -> list[Path]:
 
 
 def read_meta(folder: str | Path) -> dict:
-    path = Path(folder) / META_FILE
+    path = Path(folder).expanduser() / META_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"{folder} holds no training records ({META_FILE} is missing): regenerate or label first"
@@ -86,7 +87,7 @@ def read_records(folder: str | Path) -> Iterator[TrainingRecord]:
     """The records of a folder, shard by shard, in the order they were written. A line cut off by a killed run
     (only ever the last one) is ignored."""
     read_meta(folder)
-    for path in shard_paths(Path(folder)):
+    for path in shard_paths(Path(folder).expanduser()):
         with path.open(encoding="utf-8") as handle:
             for line in handle:
                 if line.endswith("\n"):
@@ -111,7 +112,7 @@ class ShardWriter:
     """
 
     def __init__(self, folder: str | Path, settings: dict, records_per_shard: int = DEFAULT_RECORDS_PER_SHARD):
-        self.folder = Path(folder)
+        self.folder = Path(folder).expanduser()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.lock = FileLock(str(self.folder / ".lock"))
@@ -215,7 +216,7 @@ def run_resumable(
     with ShardWriter(folder, settings, records_per_shard) as writer:
         pending = [i for i in range(len(ids)) if ids[i] not in writer.done_ids]
         ensure_free_space(writer.folder, len(pending) * bytes_per_record)
-        stats = RunStats(written=0, already_done=len(ids) - len(pending), tokens=0, seconds=0.0)
+        stats = RunStats(written=0, already_done=len(ids) - len(pending), tokens=0, prompt_tokens=0, seconds=0.0)
         bar = tqdm(total=len(pending), desc=description, unit="prompt", disable=not progress)
         for batch_number, batch in enumerate(plan_batches(lengths, ids, batch_size)):
             batch = [i for i in batch if ids[i] not in writer.done_ids]
@@ -225,6 +226,7 @@ def run_resumable(
             writer.write(records)
             stats.written += len(records)
             stats.tokens += sum(len(record.input_ids) - record.response_start for record in records)
+            stats.prompt_tokens += sum(record.response_start for record in records)
             stats.seconds = time.perf_counter() - start_time
             bar.update(len(batch))
             bar.set_postfix(tokens_per_s=f"{stats.tokens_per_second:.1f}")

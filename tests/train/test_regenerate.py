@@ -61,6 +61,7 @@ def test_batched_regeneration_equals_greedy_generate_per_prompt(tmp_path, arch):
     lengths = [len(r) for r in got.values()]
     assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW
     assert (stats.written, stats.already_done, stats.tokens) == (7, 0, sum(lengths))
+    assert stats.prompt_tokens == sum(len(encode_prompt(TOKENIZER, p)) for p in prompts)
 
 
 def test_records_hold_prompt_ids_then_response(tmp_path):
