@@ -15,10 +15,10 @@ top-k and top-p, with transformers' own warpers, so p is exactly what `target.ge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers.generation.logits_process import (
-    LogitsProcessorList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -45,23 +45,26 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def warpers(self) -> LogitsProcessorList:
-        # Same order as transformers' generate: temperature, then top-k, then top-p.
-        warpers = LogitsProcessorList()
-        if self.temperature != 1.0:
+    @cached_property
+    def warpers(self) -> tuple:
+        # Same order as transformers' generate: temperature, then top-k, then top-p. Built once per
+        # generation and called directly (LogitsProcessorList inspects signatures on every call).
+        warpers = []
+        if self.temperature not in (0.0, 1.0):
             warpers.append(TemperatureLogitsWarper(self.temperature))
         if self.top_k > 0:
             warpers.append(TopKLogitsWarper(self.top_k))
         if self.top_p < 1.0:
             warpers.append(TopPLogitsWarper(self.top_p))
-        return warpers
+        return tuple(warpers)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, V] logits -> [n, V] float32 probabilities after temperature, top-k and top-p."""
     logits = logits.float()
-    warped = params.warpers()(None, logits)
-    return torch.softmax(warped, dim=-1)
+    for warper in params.warpers:
+        logits = warper(None, logits)
+    return torch.softmax(logits, dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

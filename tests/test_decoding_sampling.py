@@ -1,0 +1,148 @@
+"""Sampling is lossless: flashdraft's tokens follow the target's own sampling distribution.
+
+The joint distribution of the first 3 generated tokens (tiny vocabulary, so it has few cells) from 20,000
+flashdraft generations is compared with 20,000 draws of the target's own `generate(do_sample=True)` by a
+two-sample chi-square test. The same test rejects a deliberately biased acceptance rule (one that tests
+sampled proposals as if they were the draft's argmax, ignoring q), which shows the tolerance is tight enough.
+"""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import flashdraft
+import flashdraft.decoding as decoding
+from flashdraft.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from tiny import tiny_draft, tiny_target
+
+SAMPLES = 20_000
+VOCAB = 8
+PROMPT = [2, 5, 3]
+SETTINGS = dict(temperature=0.9, top_k=6, top_p=0.95)
+
+
+def target_and_draft():
+    target = tiny_target("llama", vocab_size=VOCAB, hidden_size=16, num_layers=2, heads=2, kv_heads=1, seed=3)
+    with torch.no_grad():  # soften the sharpened head so several tokens keep real probability
+        target.get_output_embeddings().weight.div_(8.0)
+    draft = tiny_draft(target, num_layers=1, block_size=4, mask_token_id=0, seed=4)
+    with torch.no_grad():
+        draft.fc.weight.mul_(3.0)
+    return target, draft
+
+
+def target_samples(target) -> Counter:
+    torch.manual_seed(1234)
+    out = target.generate(
+        torch.tensor([PROMPT] * SAMPLES), do_sample=True, max_new_tokens=3, min_new_tokens=3,
+        pad_token_id=0, eos_token_id=None, **SETTINGS,
+    )
+    return Counter(tuple(row) for row in out[:, len(PROMPT):].tolist())
+
+
+def flashdraft_samples(target, draft) -> tuple[Counter, float]:
+    counts, lengths = Counter(), []
+    for seed in range(SAMPLES):
+        # 4 new tokens at block 4: the first round drafts 2 proposals, so tokens 2 and 3 come from every
+        # path (both accepted, a rejection at either, the bonus).
+        result = flashdraft.generate(target, draft, PROMPT, max_new_tokens=4, block_size=4, seed=seed, **SETTINGS)
+        counts[tuple(result.tokens[:3])] += 1
+        lengths.append(result.acceptance_lengths[0])
+    return counts, sum(lengths) / len(lengths)
+
+
+def chi_square_p_value(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test of homogeneity for equal sample sizes; cells seen fewer than 10 times in
+    both samples together are pooled. p-value from the Wilson-Hilferty normal approximation."""
+    cells = set(a) | set(b)
+    pooled_a = sum(a[c] for c in cells if a[c] + b[c] < 10)
+    pooled_b = sum(b[c] for c in cells if a[c] + b[c] < 10)
+    pairs = [(a[c], b[c]) for c in cells if a[c] + b[c] >= 10] + [(pooled_a, pooled_b)]
+    pairs = [(x, y) for x, y in pairs if x + y > 0]
+    statistic = sum((x - y) ** 2 / (x + y) for x, y in pairs)
+    df = len(pairs) - 1
+    z = ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def biased_accept(proposals, q, p, generator):
+    """Wrong on purpose: accepts a sampled proposal with probability p(x), as if q(x) were 1 (argmax)."""
+    p_proposed = p[:-1].gather(1, proposals[:, None]).squeeze(1)
+    u = torch.rand(proposals.shape, generator=generator)
+    accepted = (u <= p_proposed).cumprod(dim=0).sum()
+    residual = (p[:-1] - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:-1])
+    bonus = sample(torch.cat([residual, p[-1:]])[accepted][None], generator)[0]
+    return accepted, bonus
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, draft = target_and_draft()
+    return target, draft, target_samples(target)
+
+
+def test_sampling_follows_the_target_distribution(setup):
+    target, draft, reference = setup
+    counts, mean_first_round = flashdraft_samples(target, draft)
+    assert 1.3 < mean_first_round < 2.9, "the draft must drive both acceptances and rejections"
+    assert chi_square_p_value(counts, reference) > 1e-4
+
+
+def test_a_biased_acceptance_rule_fails_the_same_test(setup, monkeypatch):
+    target, draft, reference = setup
+    monkeypatch.setattr(decoding, "accept_sampled", biased_accept)
+    counts, _ = flashdraft_samples(target, draft)
+    assert chi_square_p_value(counts, reference) < 1e-6
+
+
+def test_seed_makes_sampling_reproducible():
+    target, draft = target_and_draft()
+    runs = [flashdraft.generate(target, draft, PROMPT, max_new_tokens=20, seed=7, **SETTINGS).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------ the acceptance rules, exactly
+
+
+def test_accept_greedy_counts_the_matching_prefix():
+    logits = torch.full((4, 5), -1.0)
+    for position, token in enumerate([3, 1, 4, 2]):
+        logits[position, token] = 1.0  # target argmax after anchor, after proposal 1, 2, 3
+    for proposals, accepted, bonus in (([3, 1, 4], 3, 2), ([3, 1, 0], 2, 4), ([0, 1, 4], 0, 3), ([3, 0, 4], 1, 1)):
+        n, b = accept_greedy(torch.tensor(proposals), logits)
+        assert (int(n), int(b)) == (accepted, bonus)
+
+
+def test_accept_greedy_with_no_proposals_is_one_autoregressive_step():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    n, b = accept_greedy(torch.empty(0, dtype=torch.long), logits)
+    assert (int(n), int(b)) == (0, 1)
+
+
+def test_accept_sampled_accepts_everything_when_draft_equals_target():
+    p = torch.softmax(torch.randn(5, 6), -1)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        proposals = sample(p[:-1], generator)
+        n, _ = accept_sampled(proposals, p[:-1], p, generator)
+        assert int(n) == 4
+
+
+def test_accept_sampled_rejects_tokens_the_target_excludes_and_resamples_inside_its_support():
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.0, 0.0, 0.0, 1.0]])  # proposes token 3, which p gives probability 0
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n, bonus = accept_sampled(torch.tensor([3]), q, p, generator)
+        assert int(n) == 0 and int(bonus) in (1, 2)
+
+
+def test_probabilities_apply_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.allclose(probabilities(logits, SamplingParams(1.0, 1.0, 2)), torch.tensor([[0.625, 0.375, 0, 0]]))
+    assert torch.allclose(probabilities(logits, SamplingParams(1.0, 0.7, 0)), torch.tensor([[0.625, 0.375, 0, 0]]))
+    hot = probabilities(logits, SamplingParams(2.0, 1.0, 0))
+    assert torch.allclose(hot, torch.softmax(logits / 2, -1))
