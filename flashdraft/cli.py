@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "flashdraft.commands.models",
     "flashdraft.commands.serve",
     "flashdraft.commands.bench",
+    "flashdraft.commands.train",
 )
 
 

@@ -266,19 +266,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _autocast(self):
+        """The draft's weights stay float32; a target in a lower precision sets the precision of the compute."""
+        lower = self.target.dtype != torch.float32
+        return torch.autocast(self.dist.device.type, dtype=self.target.dtype, enabled=lower)
+
     def _forward(self, model, sequences: list[TrainingSequence], batch: BlockBatch, targets):
         device = self.dist.device
         features = self.features(sequences, batch.context_length).to(device)
-        hidden = model(
-            self.target.embed(batch.block_ids.to(device)),
-            features,
-            batch.position_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-        )
-        return block_loss(
-            hidden, targets, self.head_weight, self.head_bias, self.vocabulary, self.draft.block_size,
-            self.config.loss_chunk,
-        )
+        with self._autocast():
+            hidden = model(
+                self.target.embed(batch.block_ids.to(device)),
+                features,
+                batch.position_ids.to(device),
+                attention_mask=batch.attention_mask.to(device),
+            )
+            return block_loss(
+                hidden, targets, self.head_weight, self.head_bias, self.vocabulary, self.draft.block_size,
+                self.config.loss_chunk,
+            )
 
     def train_step(self) -> dict:
         """One optimizer step at `self.step`; returns its global statistics."""
@@ -419,10 +425,11 @@ class Trainer:
         for name, prompts in self.eval_prompts.items():
             rounds = []
             for prompt in prompts:
-                generation = generate(
-                    self.target, self.draft, prompt, max_new_tokens=self.config.eval_max_new_tokens,
-                    stop_token_ids=self.stop_token_ids,
-                )
+                with self._autocast():
+                    generation = generate(
+                        self.target, self.draft, prompt, max_new_tokens=self.config.eval_max_new_tokens,
+                        stop_token_ids=self.stop_token_ids,
+                    )
                 rounds += generation.acceptance_lengths
             result["tau"][name] = sum(rounds) / len(rounds) if rounds else 0.0
         if self.heldout:
