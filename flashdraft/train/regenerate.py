@@ -100,8 +100,8 @@ def generate_batch(
         tokens = pick_tokens(logits, temperature, generator)  # [b_live]
         if top_k:
             top_ids, top_probs = top_k_of(logits, top_k)
-        for live, row in enumerate(rows.tolist()):
-            responses[row].append(int(tokens[live]))
+        for live, (row, token) in enumerate(zip(rows.tolist(), tokens.tolist())):
+            responses[row].append(token)
             if top_k:
                 top[row][0].append(top_ids[live])
                 top[row][1].append(top_probs[live])
