@@ -140,6 +140,24 @@ class CompletionFormat:
         return self._completion([choice], usage=usage, flashdraft=finished.statistics)
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events of one job. However the response ends (finished, client gone, failed), `on_close` runs:
+    the routes cancel the job there, which frees the worker or the job's place in the queue. (A `finally` inside
+    the event generator would not run if the client left before the generator started.)"""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_close):
+        super().__init__(events)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 def _sse(body) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
@@ -289,36 +307,30 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
         except QueueFull as error:
             raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
         if body.stream:
-            return StreamingResponse(
-                _stream(job, format, len(prompt), body.include_usage), media_type="text/event-stream"
-            )
+            return EventStream(_stream(job, format, len(prompt), body.include_usage), lambda: worker.cancel(job))
         return await _collect(request, job, format, len(prompt))
 
     async def _stream(job: Job, format, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-        # A client that leaves makes the server cancel this generator: `finally` cancels the job.
-        try:
-            first = True
-            async for event in _events(job):
-                if isinstance(event, Failed):
-                    yield f"data: {APIError(500, event.message, type='server_error').body.model_dump_json()}\n\n"
-                    break
-                if isinstance(event, TextDelta) or first:  # the first chunk carries the role, even if empty
-                    yield _sse(format.delta(event.text if isinstance(event, TextDelta) else "", first))
-                    first = False
-                if isinstance(event, Finished):
-                    yield _sse(format.finish(event))
-                    if include_usage:
-                        yield _sse(format.usage(_usage(prompt_tokens, event)))
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()  # no effect once the job has finished
+        first = True
+        async for event in _events(job):
+            if isinstance(event, Failed):
+                yield f"data: {APIError(500, event.message, type='server_error').body.model_dump_json()}\n\n"
+                break
+            if isinstance(event, TextDelta) or first:  # the first chunk carries the role, even if empty
+                yield _sse(format.delta(event.text if isinstance(event, TextDelta) else "", first))
+                first = False
+            if isinstance(event, Finished):
+                yield _sse(format.finish(event))
+                if include_usage:
+                    yield _sse(format.usage(_usage(prompt_tokens, event)))
+        yield "data: [DONE]\n\n"
 
     async def _collect(request: Request, job: Job, format, prompt_tokens: int):
         # Nothing is written before the end, so a departed client is noticed by listening for its disconnect.
         async def cancel_when_gone():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            job.cancel()
+            worker.cancel(job)
 
         watcher = asyncio.create_task(cancel_when_gone())
         try:
@@ -332,7 +344,7 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
                     return format.response("".join(parts), event, _usage(prompt_tokens, event))
         finally:
             watcher.cancel()
-            job.cancel()
+            worker.cancel(job)
 
     return app
 

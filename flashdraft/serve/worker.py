@@ -5,8 +5,8 @@ for each, turning every round's tokens into text (`IncrementalText`) and handing
 loop as events (`TextDelta`, then `Finished` or `Failed`) through `loop.call_soon_threadsafe`. The event loop
 never runs a model, so it keeps accepting, validating and rejecting requests while the worker decodes.
 
-A job whose client has gone is cancelled: the worker checks after every round and closes the token stream, so
-the slot is free within one round; a cancelled job still in the queue is skipped without running.
+A job whose client has gone is cancelled (`Worker.cancel`): a waiting job leaves the queue at once; a running one
+is checked after every round and its token stream closed, so the worker is free within one round.
 
 Decoding is batch size 1. A batched worker would take several jobs off the same queue and step them together;
 the `Job` and event interface the routes use would not change.
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from jinja2.exceptions import TemplateError
@@ -112,7 +112,7 @@ class Failed:
     message: str
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: found in and removed from the queue by identity
 class Job:
     """One request's generation. Created on the event loop; the worker pushes events back onto it."""
 
@@ -123,19 +123,15 @@ class Job:
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TextDelta*, then Finished or Failed
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set by `Worker.cancel`
     submitted: float = field(default_factory=time.perf_counter)
-
-    def cancel(self) -> None:
-        """The client is gone: the worker stops this job after the current round, or skips it if queued."""
-        self.cancelled.set()
 
     def push(self, event: TextDelta | Finished | Failed) -> None:
         """Called from the worker thread."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancel()
+            self.cancelled.set()
 
 
 class QueueFull(Exception):
@@ -150,48 +146,65 @@ class Worker:
             raise ValueError(f"the queue must hold at least one request, got max_queue={max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self._jobs: queue.Queue[Job | None] = queue.Queue(max_queue)  # None asks the thread to stop
-        self._stopping = threading.Event()
+        self._waiting: deque[Job] = deque()
+        self._changed = threading.Condition()  # guards _waiting, _stopping and the counters
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self.running: Job | None = None
-        # Counters for /health, written by the worker thread only.
+        # Counters for /health.
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
 
     @property
     def queued(self) -> int:
-        return self._jobs.qsize()
+        return len(self._waiting)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._serve, name="flashdraft-worker", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel what is running, drop what is queued, and wait for the thread to end."""
-        self._stopping.set()
+        """Fail what waits, stop what runs after its current round, and wait for the thread to end."""
+        with self._changed:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._changed.notify_all()
+        for job in waiting:
+            job.push(Failed("the server is shutting down"))
         if self._thread is not None:
-            self._jobs.put(None)  # may wait for a free slot; the stopping thread drains the queue quickly
             self._thread.join()
 
     def submit(self, job: Job) -> None:
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(
-                f"the server is busy: {self.max_queue} requests are already waiting; retry shortly"
-            ) from None
+        with self._changed:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the server is busy: {self.max_queue} requests are already waiting; retry shortly")
+            self._waiting.append(job)
+            self._changed.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: a waiting job leaves the queue at once (freeing its place), a running one stops
+        after its current round. No effect on a finished job."""
+        job.cancelled.set()
+        with self._changed:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.cancelled += 1
+
+    def _next(self) -> Job | None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._waiting or self._stopping)
+            return None if self._stopping else self._waiting.popleft()
+
+    def _count(self, counter: str) -> None:
+        with self._changed:
+            setattr(self, counter, getattr(self, counter) + 1)
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if self._stopping.is_set():
-                job.push(Failed("the server is shutting down"))
-            elif job.cancelled.is_set():
-                self.cancelled += 1
-            else:
-                self.running = job
-                self._run(job)
-                self.running = None
+        while (job := self._next()) is not None:
+            self.running = job
+            self._run(job)
+            self.running = None
 
     def _run(self, job: Job) -> None:
         queue_seconds = time.perf_counter() - job.submitted
@@ -214,9 +227,9 @@ class Worker:
             with tokens:  # leaving the block closes the stream: generation stops there
                 for new_tokens in tokens:
                     if job.cancelled.is_set():
-                        self.cancelled += 1
+                        self._count("cancelled")
                         return
-                    if self._stopping.is_set():
+                    if self._stopping:
                         job.push(Failed("the server is shutting down"))
                         return
                     delta, stopped = text.add(new_tokens)
@@ -227,7 +240,7 @@ class Worker:
                         break
         except Exception as error:  # one request's failure must not end the worker
             logger.exception("generation failed")
-            self.failed += 1
+            self._count("failed")
             job.push(Failed(f"generation failed: {error}"))
             return
         if finish_reason is None:
@@ -245,5 +258,5 @@ class Worker:
             prefill_seconds=result.prefill_seconds,
             decode_seconds=result.decode_seconds,
         )
-        self.completed += 1
+        self._count("completed")
         job.push(Finished(finish_reason, len(result.tokens), statistics))

@@ -77,7 +77,7 @@ def test_queue_is_bounded(engine):
 
 
 def test_output_equals_generate_and_stops_at_end_of_turn(engine):
-    prompt = engine.chat_prompt([{"role": "user", "content": "w3 w4 w5"}])
+    prompt = engine.chat_prompt([{"role": "user", "content": "w42 w45 w48"}])  # answered in 17 tokens and <eot>
     reference = flashdraft.generate(
         engine.target, engine.draft, prompt, max_new_tokens=40, stop_token_ids=engine.stop_token_ids
     )
@@ -96,26 +96,29 @@ def test_output_equals_generate_and_stops_at_end_of_turn(engine):
     assert text == TOKENIZER.decode(reference.tokens, skip_special_tokens=True)
     assert isinstance(finished, Finished)
     assert finished.completion_tokens == len(reference.tokens)
-    assert finished.finish_reason == reference.stop_reason
+    assert finished.finish_reason == reference.stop_reason == "stop"
+    assert reference.tokens[-1] == EOT
     assert finished.statistics.acceptance_lengths == reference.acceptance_lengths
     assert finished.statistics.block_size == 4
 
 
-def test_cancelled_jobs_are_skipped_or_stopped_and_the_worker_goes_on(engine):
+def test_cancelled_jobs_leave_the_queue_or_stop_and_the_worker_goes_on(engine):
     async def main():
-        worker = Worker(engine, max_queue=4)
+        worker = Worker(engine, max_queue=3)
         skipped, long, short = job([5, 6]), job([7, 8], max_tokens=400), job([9], max_tokens=3)
-        skipped.cancel()
         for j in (skipped, long, short):
             worker.submit(j)
+        worker.cancel(skipped)
+        assert (worker.queued, worker.cancelled) == (2, 1)  # its place is free at once
+        worker.submit(job([10]))  # so a third job fits again
         worker.start()
         try:
             first = await asyncio.wait_for(long.events.get(), 60)
             assert isinstance(first, TextDelta)
-            long.cancel()
+            worker.cancel(long)
             text, finished = await collect(short)
             assert isinstance(finished, Finished) and finished.completion_tokens == 3
-            assert (worker.cancelled, worker.completed) == (2, 1)
+            assert worker.cancelled == 2
             return long
         finally:
             worker.stop()
