@@ -148,7 +148,7 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str], on_close):
-        super().__init__(events)
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
