@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from itertools import takewhile
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,29 +63,28 @@ def _error_response(error: APIError, headers: dict[str, str] | None = None) -> J
 def _validation_error(error: RequestValidationError) -> APIError:
     """FastAPI's list of validation errors -> one 400 naming the field and what is wrong with it."""
     problems = error.errors()
-    first = problems[0]
-    loc = [part for part in first["loc"] if part != "body"]
+    paths = [list(problem["loc"][1:]) for problem in problems]  # loc[0] is "body"
+    first, path = problems[0], paths[0]
     if first["type"] == "json_invalid":
         reason = first.get("ctx", {}).get("error", "malformed JSON")
-        position = f" at character {loc[0]}" if loc else ""
+        position = f" at character {path[0]}" if path else ""
         return APIError(400, f"the request body is not valid JSON ({reason}{position})", code="invalid_json")
-    if not loc:  # the body as a whole: missing, or not a JSON object
+    if not path:  # the body as a whole: missing, or not a JSON object
         return APIError(
             400, "the request body must be a JSON object (send it with Content-Type: application/json)",
             code="invalid_body",
         )
-    param = str(loc[0])
+    param = str(path[0])
     if first["type"] == "missing":
         return APIError(400, f"missing required field `{param}`", param=param, code="missing_required_parameter")
     # A union type reports one error per alternative, each under its own tag in the location: report the field
-    # where they part (the common prefix of their locations) and their distinct messages.
-    same_field = [problem for problem in problems if [p for p in problem["loc"] if p != "body"][:1] == loc[:1]]
-    locs = [[p for p in problem["loc"] if p != "body"] for problem in same_field]
-    common = next(
-        (loc[:i] for i in range(len(loc)) if any(len(other) <= i or other[i] != loc[i] for other in locs)), loc
-    )
+    # where they part (the common prefix of their paths) and their distinct messages.
+    same_field = [(problem, p) for problem, p in zip(problems, paths) if p[:1] == path[:1]]
+    common = path
+    for _, other in same_field:
+        common = [part for part, _ in takewhile(lambda pair: pair[0] == pair[1], zip(common, other))]
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in common).lstrip(".")
-    messages = dict.fromkeys(problem["msg"].removeprefix("Value error, ") for problem in same_field)
+    messages = dict.fromkeys(problem["msg"].removeprefix("Value error, ") for problem, _ in same_field)
     return APIError(400, f"invalid `{where}`: {'; or '.join(messages)}", param=param, code="invalid_value")
 
 
