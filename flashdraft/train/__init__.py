@@ -4,7 +4,7 @@ the trainer that turns them into a DFlash draft.
 Data stages, each cached on disk and resumable:
     prompts.py        the Prompt record, JSONL prompt files, the seeded mix of sources
     sources.py        built-in offline prompt sources (ShareGPT, LeetCode, CodeI/O, math)
-    decontaminate.py  evaluation-set loaders and the overlap check that keeps them out of training data
+    decontaminate.py  the overlap check that keeps the evaluation sets (the benchmark's) out of training data
     regenerate.py     the target answers the prompts (batched greedy or sampled generation)
     labels.py         the target labels existing responses under teacher forcing (one forward, optional top-k)
     records.py        the on-disk training records both write and the trainer reads

