@@ -3,6 +3,7 @@
 from .decoding import GenerationResult, TokenStream, generate, stream
 from .draft import DFlashDraftModel, default_target_layer_ids
 from .target import TargetModel
+from .text import encode_chat, stop_token_ids
 
 __all__ = [
     "DFlashDraftModel",
@@ -10,7 +11,9 @@ __all__ = [
     "TargetModel",
     "TokenStream",
     "default_target_layer_ids",
+    "encode_chat",
     "generate",
+    "stop_token_ids",
     "stream",
 ]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from .adaptive import BlockSizeController, cached_verify_costs
 from .draft import DFlashDraftModel
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from .target import TargetModel
@@ -27,6 +28,7 @@ class GenerationResult:
 
     tokens: list[int] = field(default_factory=list)  # new tokens only, prompt excluded
     acceptance_lengths: list[int] = field(default_factory=list)  # per round: accepted proposals + bonus
+    block_sizes: list[int] = field(default_factory=list)  # per round: tokens verified (anchor + proposals)
     prefill_seconds: float = 0.0  # prompt forward until the first new token is known
     decode_seconds: float = 0.0  # every round after that
     stop_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), or None while running
@@ -56,6 +58,7 @@ class Proposer(Protocol):
 
     target_layer_ids: list[int] | None
     vocab_ids: torch.Tensor | None  # [V_draft] target ids of the proposer's logits' columns; None: all V
+    block_size: int | None  # the block size it drafts best at (the draft's training size), if any
 
     def begin(self, max_positions: int) -> None: ...
 
@@ -73,6 +76,7 @@ class DFlashProposer:
         self.target = target
         self.target_layer_ids = draft.target_layer_ids
         self.vocab_ids = draft.draft_vocab_ids
+        self.block_size = draft.block_size
         head = target.lm_head
         if self.vocab_ids is None:
             self.head = head
@@ -155,23 +159,33 @@ def stream(
     top_p: float = 1.0,
     top_k: int = 0,
     stop_token_ids: Sequence[int] | None = None,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     seed: int | None = None,
 ) -> TokenStream:
     """Speculative decoding of `target` with `draft`, yielding the tokens of each round as it finishes.
 
     Lossless: at temperature 0 the tokens are the target's greedy continuation; above it they follow the
-    target's own sampling distribution (temperature, then top-k, then top-p). `block_size` defaults to the
-    draft's; 1 (or no draft) is plain autoregressive decoding. `seed` makes sampling reproducible.
+    target's own sampling distribution (temperature, then top-k, then top-p). `block_size`: tokens verified per
+    round, the anchor included; None = the draft's own; "auto" = chosen round by round for the most tokens
+    per second, down to 1 when drafting does not pay (`flashdraft.adaptive`); 1 (or no draft) is plain
+    autoregressive decoding. `seed` makes sampling reproducible.
     """
     target = target if isinstance(target, TargetModel) else TargetModel(target)
     params = SamplingParams(temperature, top_p, top_k)
     if isinstance(draft, DFlashDraftModel):
         draft = DFlashProposer(draft, target)
-    if block_size is None:
-        block_size = getattr(getattr(draft, "draft", None), "block_size", 1) if draft is not None else 1
+    native = getattr(draft, "block_size", None) if draft is not None else None
+    controller = None
+    if block_size == "auto":
+        if native is None or native < 2:
+            block_size = 1
+        else:
+            block_size = native
+            controller = BlockSizeController(native, cached_verify_costs(target, native))
+    elif block_size is None:
+        block_size = native or 1
     if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size}")
+        raise ValueError(f"block_size must be an integer >= 1 or \"auto\", got {block_size!r}")
     if block_size > 1 and draft is None:
         raise ValueError(f"block_size {block_size} needs a draft; pass a draft or use block_size=1")
     prompt = _prompt_tensor(input_ids, target)
@@ -189,7 +203,8 @@ def stream(
         generator.manual_seed(seed if seed is not None else torch.seed())
     result = GenerationResult()
     rounds = _decode(
-        target, draft, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()), block_size, generator, result
+        target, draft, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()), block_size, controller,
+        generator, result,
     )
     return TokenStream(rounds, result)
 
@@ -223,6 +238,7 @@ def _decode(
     params: SamplingParams,
     stop_ids: frozenset[int],
     block_size: int,
+    controller: BlockSizeController | None,
     generator: torch.Generator | None,
     result: GenerationResult,
 ) -> Iterator[list[int]]:
@@ -235,8 +251,10 @@ def _decode(
     layer_ids = proposer.target_layer_ids if speculate else None
     positions = torch.arange(max_positions, device=target.device)[None]
     cache = target.new_cache()
+    # The draft always runs at its own block size (it drafts worse at others); a round verifies `size` tokens.
+    draft_size = max(block_size, getattr(proposer, "block_size", None) or 0)
     if speculate:
-        proposer.begin(max_positions)
+        proposer.begin(max_positions + draft_size)
 
     # 1. Prefill: the prompt's KV cache, its features (the draft's first context) and the first new token.
     began = time.perf_counter()
@@ -252,12 +270,14 @@ def _decode(
 
     start = prompt_length  # position of the anchor: the last emitted token, not yet in the target's cache
     no_proposals = torch.empty(0, dtype=torch.long, device=target.device)
+    draft_seconds = None
     while True:
         # 2. Propose: B-1 tokens after the anchor (none when B == 1), never more than the budget needs.
-        size = min(block_size, max_new_tokens - len(result.tokens))
+        size = min(controller.choose() if controller else block_size, max_new_tokens - len(result.tokens))
         proposals, q = no_proposals, None
         if size > 1:
-            draft_logits = proposer.propose(anchor, context, start, size)  # [B-1, V_draft]
+            drafting = time.perf_counter()
+            draft_logits = proposer.propose(anchor, context, start, draft_size)[: size - 1]  # [B-1, V_draft]
             if params.greedy:
                 proposals = draft_logits.argmax(dim=-1)
             else:
@@ -267,6 +287,7 @@ def _decode(
                 proposals = proposer.vocab_ids[proposals]
                 if q is not None:
                     q = q.new_zeros(size - 1, target.vocab_size).index_copy_(1, proposer.vocab_ids, q)
+            draft_seconds = time.perf_counter() - drafting  # host time: exact on CPU, a lower bound on GPUs
         elif not params.greedy:
             q = logits.new_empty(0, target.vocab_size)
 
@@ -291,6 +312,9 @@ def _decode(
         anchor = bonus.view(1)
         start += num_accepted + 1
         result.acceptance_lengths.append(num_accepted + 1)
+        result.block_sizes.append(size)
+        if controller:
+            controller.observe(size, num_accepted, draft_seconds if size > 1 else None)
         emitted, going_on = _emit(new_tokens, result, stop_ids, max_new_tokens)
         result.decode_seconds = time.perf_counter() - began
         yield emitted

@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens per drafted block, anchor included (default: the draft's); 1 = no speculation")
+                        help="tokens verified per round, anchor included; 1 = no speculation (default: chosen "
+                        "round by round for the most tokens per second, never above the draft's block size)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--system", default=None, help="optional system message for the chat template")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = stream(
         target, draft, input_ids,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop_token_ids=stop_token_ids(target, tokenizer), block_size=args.block_size, seed=args.seed,
+        stop_token_ids=stop_token_ids(target, tokenizer), block_size=args.block_size or "auto", seed=args.seed,
     )
     text = IncrementalText(tokenizer)
     with tokens:

@@ -1,0 +1,170 @@
+"""The block size that maximises expected tokens per second, chosen round by round.
+
+A round that verifies b tokens (the anchor and b-1 proposals) costs one b-token target forward plus one draft
+pass, and yields on average E(b) = 1 + sum_{k<b} a_1 * ... * a_k tokens, where a_k is the chance that proposal k
+is accepted given that the ones before it were. The target's forward time for b tokens is measured once per
+model, dtype, device and thread count and cached on disk; the acceptance rates and the draft's time are tracked
+as generation goes. The chosen size is the b in 1..B maximising E(b) / cost(b): b = 1 turns speculation off,
+so a draft that does not help cannot make decoding much slower than plain decoding. While speculation is off,
+a probe round at full size every so often (less often each time the probe does not pay) keeps the estimates
+fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .target import TargetModel
+
+MEASURED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class VerifyCosts:
+    """Seconds of one target forward over n new tokens (after a short cached context), by n."""
+
+    seconds: dict[int, float]
+
+    def __call__(self, n: int) -> float:
+        sizes = sorted(self.seconds)
+        if n <= sizes[0]:
+            return self.seconds[sizes[0]]
+        for low, high in zip(sizes, sizes[1:]):
+            if n <= high:
+                share = (n - low) / (high - low)
+                return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
+        # Past the largest measured size: extrapolate the last segment's slope.
+        low, high = sizes[-2], sizes[-1]
+        return self.seconds[high] + (n - high) * (self.seconds[high] - self.seconds[low]) / (high - low)
+
+
+def measure_verify_costs(
+    target: TargetModel, max_size: int, context_length: int = 128, repeats: int = 5
+) -> VerifyCosts:
+    """Time target forwards of each size up to `max_size` after a cached context (median of `repeats`)."""
+    sizes = sorted({n for n in MEASURED_SIZES if n <= max_size} | {max_size})
+    ids = torch.randint(0, target.vocab_size, (1, context_length + max_size), device=target.device)
+    positions = torch.arange(context_length + max_size, device=target.device)[None]
+    cache = target.new_cache()
+    target.forward(ids[:, :context_length], positions[:, :context_length], cache, None, logits_to_keep=1)
+    seconds = {}
+    for n in sizes:
+        times = []
+        for _ in range(repeats + 1):  # the first run of each size warms up
+            _synchronize(target.device)
+            began = time.perf_counter()
+            window = slice(context_length, context_length + n)
+            target.forward(ids[:, window], positions[:, window], cache, None)
+            _synchronize(target.device)
+            times.append(time.perf_counter() - began)
+            target.rollback(cache, n)
+        seconds[n] = statistics.median(times[1:])
+    return VerifyCosts(seconds)
+
+
+def cached_verify_costs(target: TargetModel, max_size: int) -> VerifyCosts:
+    """`measure_verify_costs`, measured once per model, dtype, device and thread count, then read from disk."""
+    from .models import cache_home
+
+    identity = json.dumps(
+        {
+            "model": target.config.to_json_string(use_diff=False),
+            "dtype": str(target.dtype),
+            "device": str(target.device),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "max_size": max_size,
+        },
+        sort_keys=True,
+    )
+    path = cache_home() / "costs" / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
+    if path.is_file():
+        return VerifyCosts({int(n): s for n, s in json.loads(path.read_text()).items()})
+    costs = measure_verify_costs(target, max_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(costs.seconds))
+    partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
+    return costs
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class BlockSizeController:
+    """Tracks acceptance and picks each round's block size (see the module docstring)."""
+
+    def __init__(
+        self,
+        max_size: int,
+        verify_costs: VerifyCosts,
+        decay: float = 0.97,
+        first_probe_interval: int = 16,
+        max_probe_interval: int = 512,
+    ):
+        self.max_size = max_size
+        self.verify_costs = verify_costs
+        self.decay = decay
+        # Pseudo-counts per proposal position k = 1..max_size-1: a prior acceptance of one half.
+        self.accepted = [0.5] * (max_size - 1)
+        self.tested = [1.0] * (max_size - 1)
+        self.draft_seconds: float | None = None
+        self.first_probe_interval = first_probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.probe_interval = first_probe_interval
+        self.rounds_without_drafting = 0
+
+    def expected_tokens(self, size: int) -> float:
+        """E(size): tokens a round of this size yields on average under the current estimates."""
+        expected, chain = 1.0, 1.0
+        for k in range(size - 1):
+            chain *= self.accepted[k] / self.tested[k]
+            expected += chain
+        return expected
+
+    def best_size(self) -> int:
+        draft = self.draft_seconds or 0.0
+        rates = [
+            self.expected_tokens(size) / (self.verify_costs(size) + (draft if size > 1 else 0.0))
+            for size in range(1, self.max_size + 1)
+        ]
+        return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+    def choose(self) -> int:
+        if self.draft_seconds is None:  # nothing observed yet: a full block tests every position at once
+            return self.max_size
+        size = self.best_size()
+        if size > 1:
+            self.probe_interval = self.first_probe_interval
+            return size
+        self.rounds_without_drafting += 1
+        if self.rounds_without_drafting < self.probe_interval:
+            return 1
+        # Probe at full size; if drafting still does not pay afterwards, wait twice as long next time.
+        self.rounds_without_drafting = 0
+        self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+        return self.max_size
+
+    def observe(self, size: int, num_accepted: int, draft_seconds: float | None) -> None:
+        """Record a round: proposals 1..num_accepted were accepted, proposal num_accepted + 1 (if any) was not."""
+        if size == 1:
+            return
+        for k in range(self.max_size - 1):
+            self.accepted[k] *= self.decay
+            self.tested[k] *= self.decay
+        for k in range(min(num_accepted + 1, size - 1)):
+            self.tested[k] += 1.0
+            self.accepted[k] += 1.0 if k < num_accepted else 0.0
+        if draft_seconds is not None:
+            previous = self.draft_seconds
+            self.draft_seconds = draft_seconds if previous is None else 0.8 * previous + 0.2 * draft_seconds

@@ -1,0 +1,113 @@
+"""The adaptive block size: cost interpolation, the choice it makes, probing, and that it stays lossless."""
+
+import random
+
+import pytest
+
+import flashdraft
+from flashdraft.adaptive import BlockSizeController, VerifyCosts, cached_verify_costs, measure_verify_costs
+from flashdraft.target import TargetModel
+from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target
+
+# A CPU-like cost curve: a 16-token forward costs 1.8 one-token forwards.
+COSTS = VerifyCosts({1: 1.0, 2: 1.3, 4: 1.5, 8: 1.6, 16: 1.8})
+
+
+def test_verify_costs_interpolate_and_extrapolate():
+    assert COSTS(1) == 1.0 and COSTS(16) == 1.8
+    assert COSTS(3) == pytest.approx(1.4)
+    assert COSTS(12) == pytest.approx(1.7)
+    assert COSTS(24) == pytest.approx(2.0)  # the last segment's slope continued
+
+
+def controller_after(rounds, acceptance, size=16, draft_seconds=0.1, seed=0):
+    """A controller that has seen `rounds` full-size rounds where each proposal is accepted with `acceptance`."""
+    rng = random.Random(seed)
+    controller = BlockSizeController(size, COSTS)
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < size - 1 and rng.random() < acceptance:
+            accepted += 1
+        controller.observe(size, accepted, draft_seconds)
+    return controller
+
+
+def test_expected_tokens_is_the_chain_of_acceptance_rates():
+    controller = BlockSizeController(4, COSTS)
+    controller.accepted, controller.tested = [0.8, 0.5, 0.5], [1.0, 1.0, 1.0]
+    assert controller.expected_tokens(1) == 1.0
+    assert controller.expected_tokens(4) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+
+
+def test_a_draft_that_is_never_accepted_turns_speculation_off():
+    assert controller_after(5, 0.0).best_size() == 1
+
+
+def test_a_draft_that_is_always_accepted_uses_the_whole_block():
+    assert controller_after(20, 1.0).best_size() == 16
+
+
+def test_a_middling_draft_gets_a_middling_block():
+    size = controller_after(200, 0.6).best_size()
+    assert 2 <= size <= 8
+
+
+def test_observe_counts_only_the_positions_a_round_tested():
+    controller = BlockSizeController(8, COSTS, decay=1.0)
+    controller.observe(8, 2, 0.1)  # proposals 1, 2 accepted, 3 rejected, 4..7 never tested
+    assert controller.accepted[:4] == [1.5, 1.5, 0.5, 0.5]
+    assert controller.tested[:4] == [2.0, 2.0, 2.0, 1.0]
+    controller.observe(3, 2, 0.1)  # a 3-token round accepting both proposals tests positions 1, 2 only
+    assert controller.tested[:3] == [3.0, 3.0, 2.0]
+
+
+def test_probes_come_less_often_while_drafting_does_not_pay():
+    controller = controller_after(5, 0.0)
+    choices = [controller.choose() for _ in range(16 + 32)]
+    assert choices.count(16) == 2
+    assert choices[15] == 16 and choices[47] == 16  # after 16, then after 32 more rounds without drafting
+
+
+def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    target = TargetModel(tiny_target())
+    costs = cached_verify_costs(target, 8)
+    assert sorted(costs.seconds) == [1, 2, 3, 4, 6, 8]
+    assert all(s > 0 for s in costs.seconds.values())
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+    assert cached_verify_costs(target, 8).seconds == costs.seconds  # read back, not measured again
+
+
+def test_measured_sizes_include_the_block_size_itself():
+    assert 5 in measure_verify_costs(TargetModel(tiny_target()), 5, context_length=8, repeats=1).seconds
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_auto_block_size_is_lossless(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    target = tiny_target(arch, seed=11)
+    draft = tiny_draft(target, block_size=8)
+    for prompt in ([4, 5, 6], list(range(10, 40))):
+        reference = greedy_reference(target, prompt, 48)
+        assert flashdraft.generate(target, draft, prompt, max_new_tokens=48, block_size="auto").tokens == reference
+
+
+def test_auto_with_a_random_draft_falls_back_to_plain_decoding(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    target = tiny_target("llama", seed=2)
+    result = flashdraft.generate(target, tiny_draft(target, block_size=8), [3, 4], max_new_tokens=60,
+                                 block_size="auto")
+    assert result.block_sizes[0] == 8
+    assert result.block_sizes[-20:].count(1) >= 19  # at most one probe among the last rounds
+
+
+def test_auto_with_a_perfect_proposer_keeps_whole_blocks(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    target = tiny_target("llama", seed=2)
+    reference = greedy_reference(target, [3, 4], 80)
+    oracle = OracleProposer(2, reference, 96)
+    oracle.block_size = 8
+    result = flashdraft.generate(target, oracle, [3, 4], max_new_tokens=80, block_size="auto")
+    assert result.tokens == reference
+    assert result.block_sizes[:-1] == [8] * (len(result.block_sizes) - 1)
