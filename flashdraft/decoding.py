@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .adaptive import BlockSizeController, cached_verify_costs
-from .draft import DFlashDraftModel
+from .draft import DFlashDraftModel, DraftCache
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from .target import TargetModel
 
@@ -89,7 +89,8 @@ class DFlashProposer:
 
     def begin(self, max_positions: int) -> None:
         device = self.target.device
-        self.cache = DynamicCache()  # verified context K/V only: cropped back after every block
+        # Verified context K/V only: the block's own K/V are dropped again after every pass.
+        self.cache = DraftCache(self.draft.config, max_positions, device=device, dtype=self.draft.dtype)
         self.positions = torch.arange(max_positions, device=device)[None]
         self.mask_ids = torch.full((1, max_positions), self.draft.mask_token_id, device=device)
 

@@ -133,6 +133,38 @@ class DFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+class DraftCache:
+    """The draft's KV cache: preallocated per layer, so appending a round's keys and dropping the block again
+    are bookkeeping on a length, never a copy of the whole context (gpt-fast style). Holds batch size 1..b
+    and at most `max_length` positions. Same `update` / `get_seq_length` / `crop` surface as transformers'
+    caches, so the attention code takes either."""
+
+    def __init__(self, config: Qwen3Config, max_length: int, batch_size: int = 1, device=None, dtype=None):
+        shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
+        self.keys = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.length = 0  # positions filled in every layer
+        self.max_length = max_length
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append key/value [b, hk, n, dh] to layer `layer_idx`; return that layer's keys/values so far."""
+        end = self.length + key.shape[-2]
+        if end > self.max_length:
+            raise ValueError(f"draft cache holds {self.max_length} positions, {end} were asked for")
+        self.keys[layer_idx][:, :, self.length : end] = key
+        self.values[layer_idx][:, :, self.length : end] = value
+        if layer_idx == len(self.keys) - 1:
+            self.length = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def crop(self, num_tokens: int) -> None:
+        """Drop the last -num_tokens positions (transformers' negative-count convention)."""
+        self.length = max(0, self.length + num_tokens) if num_tokens < 0 else self.length
+
+
 class DFlashDraftModel(PreTrainedModel):
     """A DFlash block-diffusion draft model (SPEC sections 1-2)."""
 

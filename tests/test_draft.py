@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from flashdraft import DFlashDraftModel, default_target_layer_ids
+from flashdraft.draft import DraftCache
 from tiny import tiny_draft, tiny_target
 
 
@@ -128,6 +129,27 @@ def test_cached_context_gives_the_same_block_as_the_whole_context_at_once():
     assert cache.get_seq_length() == 5
     pieces = draft(noise, features[:, 5:], positions[None, 5:], cache)
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_preallocated_draft_cache_matches_transformers_dynamic_cache():
+    draft = tiny_draft(tiny_target())
+    noise, features, positions = random_inputs(draft, context_length=12, block=6)
+    outputs = []
+    for cache in (DynamicCache(), DraftCache(draft.config, 40)):
+        draft(torch.randn(1, 6, noise.shape[-1]), features[:, :5], torch.arange(0, 11)[None], cache)
+        cache.crop(-6)
+        assert cache.get_seq_length() == 5
+        outputs.append(draft(noise, features[:, 5:], positions[None, 5:], cache))
+        cache.crop(-6)
+        assert cache.get_seq_length() == 12
+    torch.testing.assert_close(outputs[0], outputs[1])
+
+
+def test_draft_cache_refuses_to_overflow():
+    draft = tiny_draft(tiny_target())
+    noise, features, positions = random_inputs(draft, context_length=12, block=6)
+    with pytest.raises(ValueError, match="draft cache holds 10 positions, 18 were asked for"):
+        draft(noise, features, positions[None], DraftCache(draft.config, 10))
 
 
 def test_sliding_window_layers_ignore_context_beyond_the_window():
