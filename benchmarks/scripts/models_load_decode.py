@@ -5,7 +5,10 @@
 For each model: the GGUF and converted-folder sizes; the first `prepare` (verify + dequantize + save, into a fresh
 temporary cache unless --home is given); a later `load_target` from the prepared folder; and plain greedy decoding
 through transformers' `generate` in float32, as milliseconds per new token (the time of N+1 new tokens minus the
-time of 1, divided by N, so the prompt's prefill is left out). Prints a Markdown table.
+time of 1, divided by N, so the prompt's prefill is left out). Prints a Markdown table, a row per model as it is done.
+
+On a machine shared with other busy processes, run it with OMP_WAIT_POLICY=PASSIVE: by default OpenMP threads
+spin while waiting, and spinning threads competing for the same cores made decoding here up to 15x slower.
 """
 
 from __future__ import annotations
@@ -54,14 +57,19 @@ def main() -> None:
         help="cache to prepare into and keep (default: a fresh temporary one, removed at the end); a model already "
         "prepared there shows no first-prepare time",
     )
-    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per timed generation")
+    parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed generation")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per length (the best counts)")
     args = parser.parse_args()
 
     home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="flashdraft-bench-home-"))
     os.environ["FLASHDRAFT_HOME"] = str(home)
-    print(f"torch threads: {torch.get_num_threads()}, cache: {home}\n")
-    rows = []
+    # This machine is shared: the load average says how much the figures below were slowed by other work.
+    print(
+        f"torch threads: {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+        f"load average at start: {os.getloadavg()[0]:.1f}, cache: {home}\n"
+    )
+    print("| model | GGUF | prepared folder (fp32) | first prepare | later load | plain decode, fp32 |")
+    print("|---|---|---|---|---|---|", flush=True)
     try:
         for name in args.names:
             entry = REGISTRY[name]
@@ -74,17 +82,16 @@ def main() -> None:
             model, tokenizer = load_target(name)
             later = time.perf_counter() - start
             ms = decode_ms_per_token(model, tokenizer, args.new_tokens, args.repeats)
-            rows.append(
+            print(
                 f"| {name} | {entry.gguf_size / 1e6:.0f} MB | {folder_bytes(prepared_folder(name)) / 1e9:.2f} GB "
-                f"| {first} | {later:.1f} s | {ms:.0f} ms ({1000 / ms:.1f} tok/s) |"
+                f"| {first} | {later:.1f} s | {ms:.0f} ms ({1000 / ms:.1f} tok/s) |",
+                flush=True,
             )
             del model
     finally:
         if not args.home:
             shutil.rmtree(home, ignore_errors=True)
-    print("| model | GGUF | prepared folder (fp32) | first prepare | later load | plain decode, fp32 |")
-    print("|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
