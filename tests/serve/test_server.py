@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -404,10 +405,12 @@ def test_full_queue_is_429_and_a_departed_client_frees_the_worker(client, base):
         answers = [future.result(timeout=120) for future in waiting]
         served_in = time.monotonic() - closed
     assert [answer.usage.completion_tokens for answer in answers] == [2] * MAX_QUEUE
+    wait_until(lambda: get(base, "/health")[1]["running"] == 0)  # the worker may still be leaving the last job
     after = get(base, "/health")[1]
     assert after["cancelled"] - before["cancelled"] == 2  # the one that left the queue and the long stream
     assert after["completed"] - before["completed"] == MAX_QUEUE
-    assert after["running"] == 0 and after["queued"] == 0
+    assert after["queued"] == 0
     # Served promptly: far sooner than the ~1900 tokens the long stream had left would have taken.
-    seconds_per_round = max(a.model_extra["flashdraft"]["decode_seconds"] for a in answers)  # one round each
+    # Each short answer took one round after its prefill (max_tokens 2): its decode_seconds is one round's time.
+    seconds_per_round = statistics.median(a.model_extra["flashdraft"]["decode_seconds"] for a in answers)
     assert served_in < 1000 * seconds_per_round
