@@ -1,5 +1,8 @@
 """Incremental detokenisation and stop strings (`flashdraft.serve.text.IncrementalText`), exactly."""
 
+import subprocess
+import sys
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -101,3 +104,9 @@ def test_word_level_tokenizer_joins_words_with_spaces():
     deltas, stopped = feed(IncrementalText(tokenizer, ["w3"]), [[token] for token in ids])
     assert stopped
     assert "".join(deltas) == "w1 w2 "
+
+
+def test_text_module_needs_no_server_packages():
+    # `flashdraft generate` uses IncrementalText and must work without the serve extra.
+    code = "import sys; sys.modules.update(fastapi=None, starlette=None, uvicorn=None); import flashdraft.serve.text"
+    subprocess.run([sys.executable, "-c", code], check=True)
