@@ -186,11 +186,12 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
-        # Optional reduced drafting vocabulary: the sorted target token ids the draft proposes from. Readers
-        # that ignore it still decode correctly, drafting over the full vocabulary instead.
-        draft_vocab_size = config.dflash_config.get("draft_vocab_size")
-        ids = torch.zeros(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None
-        self.register_buffer("draft_vocab_ids", ids, persistent=True)
+        # Optional reduced drafting vocabulary: the sorted target token ids the draft proposes from. It lives in
+        # the config, not the weights, because vLLM refuses weights it has no parameter for; readers that ignore
+        # it still decode correctly, drafting over the full vocabulary instead.
+        ids = config.dflash_config.get("draft_vocab_ids")
+        ids = torch.tensor(ids, dtype=torch.long) if ids else None
+        self.register_buffer("draft_vocab_ids", ids, persistent=False)
         self.post_init()
 
     @property
@@ -210,12 +211,14 @@ class DFlashDraftModel(PreTrainedModel):
         if token_ids is None:
             self.draft_vocab_ids = None
             self.config.dflash_config.pop("draft_vocab_size", None)
+            self.config.dflash_config.pop("draft_vocab_ids", None)
             return
         ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must be non-empty and within [0, {self.config.vocab_size})")
         self.draft_vocab_ids = ids.to(self.fc.weight.device)
         self.config.dflash_config["draft_vocab_size"] = ids.numel()
+        self.config.dflash_config["draft_vocab_ids"] = ids.tolist()
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[b, c, k*d] concatenated target features -> [b, c, d] context signal shared by all layers."""
@@ -314,7 +317,10 @@ class DFlashDraftModel(PreTrainedModel):
         if path.is_dir():
             check_draft_folder(path)
         kwargs.setdefault("attn_implementation", "sdpa")
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        # Non-persistent buffers are not loaded, and transformers builds them on an empty device: refill.
+        model.set_draft_vocab(model.config.dflash_config.get("draft_vocab_ids"))
+        return model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         self.config.architectures = [DRAFT_ARCHITECTURE]
@@ -356,8 +362,6 @@ def expected_weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "hidden_norm.weight": (d,),
         "norm.weight": (d,),
     }
-    if config.dflash_config.get("draft_vocab_size"):
-        shapes["draft_vocab_ids"] = (config.dflash_config["draft_vocab_size"],)
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         shapes |= {

@@ -219,7 +219,9 @@ def test_draft_vocabulary_is_saved_and_restored(tmp_path):
     draft = tiny_draft(tiny_target())
     draft.set_draft_vocab([9, 3, 3, 40, 11])
     draft.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 4
+    dflash = json.loads((tmp_path / "config.json").read_text())["dflash_config"]
+    assert dflash["draft_vocab_size"] == 4 and dflash["draft_vocab_ids"] == [3, 9, 11, 40]
+    assert "draft_vocab_ids" not in load_file(tmp_path / "model.safetensors")  # vLLM refuses unknown weights
     loaded = DFlashDraftModel.from_pretrained(tmp_path)
     assert loaded.draft_vocab_ids.tolist() == [3, 9, 11, 40]
 

@@ -87,8 +87,8 @@ class TransformersGenerate(Method):
 
 
 class FlashDraft(Method):
-    def __init__(self, target: PreTrainedModel, draft: DFlashDraftModel, block_size: int):
-        self.name = f"flashdraft-b{block_size}"
+    def __init__(self, target: PreTrainedModel, draft: DFlashDraftModel, block_size: int | str):
+        self.name = f"flashdraft-{block_size}" if block_size == "auto" else f"flashdraft-b{block_size}"
         self.target = TargetModel(target)
         self.draft = draft
         self.block_size = block_size
@@ -177,13 +177,14 @@ def build_methods(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     draft: DFlashDraftModel | None = None,
-    block_sizes: list[int] | None = None,
+    block_sizes: list[int | str] | None = None,
     assistant: PreTrainedModel | None = None,
     assistant_tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> list[Method]:
     """The methods called `names`, `ar` first (the baseline every other is measured against).
 
-    `flashdraft` runs once per entry of `block_sizes` (default: the draft's own); `reference` and
+    `flashdraft` runs once per entry of `block_sizes` (default: the draft's own; "auto" = the adaptive block
+    size of `flashdraft.adaptive`); `reference` and
     `transformers-dflash` run at the draft's block size.
     """
     unknown = [name for name in names if name not in METHOD_NAMES]
@@ -204,7 +205,7 @@ def build_methods(
     for name in dict.fromkeys(names):
         if name == "flashdraft":
             for block_size in dict.fromkeys(block_sizes or [draft.block_size]):
-                if block_size < 2:
+                if block_size != "auto" and block_size < 2:
                     raise ValueError(f"block sizes must be at least 2 (1 is plain decoding, `ar`), got {block_size}")
                 methods.append(FlashDraft(target, draft, block_size))
         elif name == "prompt-lookup":

@@ -41,8 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--methods", nargs="+", default=None, metavar="METHOD",
         help=f"methods among {', '.join(METHOD_NAMES)}; `ar` always runs as the baseline (default: ar, flashdraft, "
         "prompt-lookup, transformers-dflash, plus reference when dflash is installed and assisted with --assistant)")
-    add("--block-sizes", nargs="+", type=int, default=None, metavar="B",
-        help="block sizes for flashdraft, each run as its own method (default: the draft's)")
+    add("--block-sizes", nargs="+", type=_block_size, default=None, metavar="B",
+        help="block sizes for flashdraft, each run as its own method: integers >= 2, or `auto` for the size "
+        "chosen round by round (default: the draft's)")
     add("--num-samples", type=int, default=10,
         help="samples per dataset, a seeded random subset; 0 for all (default: 10)")
     add("--seed", type=int, default=0, help="seed of the subsets and of sampling (default: 0)")
@@ -116,3 +117,12 @@ def run(args: argparse.Namespace) -> int:
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     return 0
+
+
+def _block_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a block size is an integer or 'auto', got {text!r}") from None

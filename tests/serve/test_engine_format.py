@@ -56,13 +56,19 @@ def qwen3_target_with_wide_heads():
     return Qwen3ForCausalLM(config)
 
 
-TARGETS = {"llama": lambda: tiny_target("llama", num_layers=6), "qwen3-wide-heads": qwen3_target_with_wide_heads}
+TARGETS = {
+    "llama": lambda: tiny_target("llama", num_layers=6),
+    "qwen3-wide-heads": qwen3_target_with_wide_heads,
+    "llama-reduced-vocab": lambda: tiny_target("llama", num_layers=6),  # a drafting vocabulary must add no weight
+}
 
 
 @pytest.fixture(params=list(TARGETS), scope="module")
 def saved(request, tmp_path_factory):
     target = TARGETS[request.param]()
     draft = DFlashDraftModel.for_target(target.config, num_layers=3, block_size=16, mask_token_id=5)
+    if request.param.endswith("reduced-vocab"):
+        draft.set_draft_vocab(list(range(0, 96, 3)))
     folder = tmp_path_factory.mktemp(f"draft-{request.param}")
     draft.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
