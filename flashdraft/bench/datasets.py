@@ -30,8 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
-
 REQUIREMENTS_FILE = "requirements/bench.txt"
 ROLES = ("system", "user", "assistant")
 
@@ -50,21 +48,6 @@ class Sample:
         for turn, answer in zip(self.turns, answers):
             chat += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
         return chat + [{"role": "user", "content": self.turns[len(answers)]}]
-
-
-def encode(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], chat_template: bool) -> list[int]:
-    """Token ids of a chat, ready for the model to answer the last message.
-
-    With `chat_template`, the tokenizer's own template with the assistant's generation prompt; without it, the
-    message texts joined by blank lines (plain completion, e.g. HumanEval's function bodies).
-    """
-    if not chat_template:
-        return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
-    if not tokenizer.chat_template:
-        raise ValueError("the tokenizer has no chat template: pass --no-chat-template to use the raw prompt texts")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes any special tokens (such as a BOS) itself.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class EvalDataset:

@@ -40,13 +40,6 @@ class DecodeSettings:
     stop_token_ids: tuple[int, ...]
 
 
-def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The target's end tokens: its generation config's `eos_token_id` (one id or a list) and the tokenizer's."""
-    configured = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = configured if isinstance(configured, list) else [configured]
-    return tuple(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id] if i is not None))
-
-
 class Method:
     """One way to decode the target. `generate` returns the new tokens only (prompt excluded)."""
 

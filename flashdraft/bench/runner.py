@@ -21,7 +21,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .datasets import Sample, encode
+from ..text import encode_chat
+from .datasets import Sample
 from .methods import DecodeSettings, Method
 
 WARMUP_TOKENS = 16
@@ -139,7 +140,7 @@ def run_benchmark(
         raise ValueError("no prompts to run: every dataset is empty")
 
     def prompt_ids(sample: Sample, answers: list[str]) -> torch.Tensor:
-        return torch.tensor([encode(tokenizer, sample.messages(answers), chat_template)], device=device)
+        return torch.tensor([encode_chat(tokenizer, sample.messages(answers), chat_template)], device=device)
 
     first_sample = next(sample for samples in datasets.values() for sample in samples)
     warmup = DecodeSettings(min(WARMUP_TOKENS, settings.max_new_tokens), settings.temperature, settings.stop_token_ids)

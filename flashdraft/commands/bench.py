@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from flashdraft.bench.datasets import DATASETS, get_dataset
-from flashdraft.bench.methods import METHOD_NAMES, DecodeSettings, build_methods, reference_available, stop_token_ids
+from flashdraft.bench.methods import METHOD_NAMES, DecodeSettings, build_methods, reference_available
+from flashdraft.text import stop_token_ids
 from flashdraft.bench.metrics import summarize
 from flashdraft.bench.report import markdown_table, require_matplotlib, write_report
 from flashdraft.bench.runner import run_benchmark

@@ -40,8 +40,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from flashdraft.decoding import stream
     from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
-    from flashdraft.serve.text import IncrementalText
-    from flashdraft.text import encode_chat, stop_token_ids
+    from flashdraft.text import IncrementalText, encode_chat, stop_token_ids
 
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the text to answer")

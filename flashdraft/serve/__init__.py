@@ -1,15 +1,14 @@
 """An OpenAI-compatible HTTP server over flashdraft's speculative decoding (`flashdraft serve`).
 
-`schemas` holds the request and response models, `text` the incremental detokenisation and stop strings,
-`worker` the loaded models (`Engine`) and the thread that decodes requests, `app` the FastAPI routes.
+`schemas` holds the request and response models, `worker` the loaded models (`Engine`) and the thread that
+decodes requests, `app` the FastAPI routes. Incremental detokenisation and stop strings are in `flashdraft.text`.
 """
 
 __all__ = ["Engine", "create_app"]
 
 
 def __getattr__(name: str):
-    # Imported on first use: the app needs the serve extra (FastAPI), while `flashdraft.serve.text` is also used by
-    # commands that must run without it.
+    # Imported on first use: the app needs the serve extra (FastAPI), which `flashdraft --help` must not.
     if name == "create_app":
         from .app import create_app
 

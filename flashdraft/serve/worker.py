@@ -30,7 +30,7 @@ from ..sampling import SamplingParams
 from ..target import TargetModel
 from ..text import encode_chat, stop_token_ids
 from .schemas import Statistics
-from .text import IncrementalText
+from ..text import IncrementalText
 
 logger = logging.getLogger("flashdraft.serve")
 

@@ -9,9 +9,9 @@ from flashdraft.bench.datasets import (
     EvalDataset,
     JsonlDataset,
     Sample,
-    encode,
     get_dataset,
 )
+from flashdraft.text import encode_chat as encode
 from tiny import tiny_tokenizer
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import flashdraft
-from flashdraft.bench.datasets import Sample, encode
+from flashdraft.bench.datasets import Sample
+from flashdraft.text import encode_chat
 from flashdraft.bench.methods import DecodeSettings, build_methods
 from flashdraft.bench.runner import measure, run_benchmark
 from tiny import tiny_draft, tiny_target, tiny_tokenizer
@@ -83,7 +84,7 @@ def test_interleaved_schedule_and_later_turns_follow_ar(tokenizer):
     ]
     first_answer = next(r.tokens for r in records if r.method == "ar" and r.sample_id == "c0" and r.turn == 0)
     answer = tokenizer.decode(first_answer, skip_special_tokens=True)
-    second_prompt = encode(tokenizer, datasets["chat"][0].messages([answer]), chat_template=True)
+    second_prompt = encode_chat(tokenizer, datasets["chat"][0].messages([answer]), chat_template=True)
     assert {r.prompt_tokens for r in records[3:6]} == {len(second_prompt)}
     by_prompt = {}
     for r in records:
