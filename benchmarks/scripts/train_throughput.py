@@ -29,7 +29,6 @@ from flashdraft.train.features import build_feature_store, extract_features
 from flashdraft.train.labels import encode_with_response, label_batch
 from flashdraft.train.loss import DraftVocabulary
 from flashdraft.train.records import TrainingRecord
-from flashdraft.train.sources import DEFAULT_PROPORTIONS
 from flashdraft.train.trainer import TrainConfig, Trainer
 
 CONFIGS = {  # name: (drafting vocabulary size or None for the full vocabulary, distillation weight)

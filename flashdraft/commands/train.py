@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from flashdraft.train.sources import DEFAULT_PROPORTIONS, SOURCES
 
     add = parser.add_argument_group("target and draft").add_argument
-    add("--target", default=DEFAULT_TARGET, help=f"registry name, folder or hub id of the target (default: {DEFAULT_TARGET})")
+    add("--target", default=DEFAULT_TARGET,
+        help=f"registry name, folder or hub id of the target (default: {DEFAULT_TARGET})")
     add("-o", "--output", required=True, type=Path, help="folder to write the trained draft and its model card into")
     add("--work-dir", type=Path, default=None,
         help="folder for the cached stages and checkpoints (default: $FLASHDRAFT_HOME/train/TARGET); keep it outside "
@@ -86,7 +87,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="mix of the built-in sources as name=weight pairs (default: %(default)s)")
     add("--num-prompts", type=int, default=1000, help="prompts drawn from the built-in sources (default: 1000)")
     add("--max-prompt-chars", type=int, default=3000,
-        help="cut longer prompt messages (and responses) to this many characters rather than dropping them (default: 3000)")
+        help="cut longer prompt messages (and responses) to this many characters rather than dropping them "
+        "(default: 3000)")
     add("--skip-eval-check", action="store_true",
         help="do not check prompts against the evaluation sets (for machines without the evaluation packages; "
         "the benchmark figures of such a draft may be contaminated)")
@@ -96,10 +98,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="regenerate: the target answers every prompt (the published recipe); teacher-forced: the target's greedy "
         "prediction at each position of the prompts' existing responses, at the cost of one forward (several times "
         "faster; prompts without a response are skipped); both (default: regenerate)")
-    add("--max-new-tokens", type=int, default=256, help="longest regenerated or labelled response, in tokens (default: 256)")
+    add("--max-new-tokens", type=int, default=256,
+        help="longest regenerated or labelled response, in tokens (default: 256)")
     add("--temperature", type=float, default=0.0, help="regeneration temperature; 0 = greedy (default: 0)")
     add("--top-k", type=int, default=0,
-        help="also store the target's top-k probabilities at every response position, for --distill-weight (default: 0)")
+        help="also store the target's top-k probabilities at every response position, for --distill-weight "
+        "(default: 0)")
     add("--data-batch-size", type=int, default=8, help="prompts per target batch in regeneration, labelling and "
         "feature extraction (default: 8)")
 
@@ -243,7 +247,7 @@ def stage_prompts(args, work: Path):
         raise ValueError("no prompts: give --prompts FILE and/or --sources")
     files = [path.expanduser().resolve() for path in args.prompts]
     settings = {
-        "files": {str(path): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None for path in files},
+        "files": {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None for p in files},
         "sources": names,
         "proportions": _parse_proportions(args.proportions) if names else {},
         "num_prompts": args.num_prompts if names else 0,

@@ -46,8 +46,8 @@ def check_feature_layers(layer_ids: Sequence[int], num_target_layers: int) -> No
     too_deep = [i for i in layer_ids if not 0 <= i < num_target_layers]
     if too_deep:
         raise ValueError(
-            f"feature layers {too_deep} do not exist: the target has {num_target_layers} layers (0..{num_target_layers - 1}); "
-            "choose layers within it (--feature-layers) or fewer draft layers"
+            f"feature layers {too_deep} do not exist: the target has {num_target_layers} layers "
+            f"(0..{num_target_layers - 1}); choose layers within it (--feature-layers)"
         )
     if len(set(layer_ids)) != len(layer_ids):
         raise ValueError(
@@ -131,7 +131,9 @@ def build_feature_store(
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ValueError(f"cannot create the feature folder {folder} ({error.strerror}): choose a writable folder") from None
+        raise ValueError(
+            f"cannot create the feature folder {folder} ({error.strerror}): choose a writable folder"
+        ) from None
     torch_dtype, numpy_dtype = STORAGE_DTYPES[dtype]
     width = len(layer_ids) * model.config.get_text_config().hidden_size
     offsets = np.cumsum([0] + [len(s) for s in sequences]).tolist()
@@ -182,7 +184,8 @@ def build_feature_store(
             for row, i in enumerate(batch):
                 data[offsets[i] : offsets[i + 1]] = stored[row, : len(sequences[i])].numpy()
             data.flush()
-            _write_atomic(progress_path, json.dumps({**state, "batches_done": number + 1, "complete": number + 1 == len(batches)}))
+            state.update(batches_done=number + 1, complete=number + 1 == len(batches))
+            _write_atomic(progress_path, json.dumps(state))
         del data
     return FeatureStore(folder)
 

@@ -55,7 +55,9 @@ class DraftVocabulary:
     def from_ids(cls, ids: torch.Tensor | Sequence[int], vocab_size: int) -> "DraftVocabulary":
         ids = torch.as_tensor(ids, dtype=torch.long).unique(sorted=True)
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
-            raise ValueError(f"draft vocabulary ids must be non-empty and within the target vocabulary [0, {vocab_size})")
+            raise ValueError(
+                f"draft vocabulary ids must be non-empty and within the target vocabulary [0, {vocab_size})"
+            )
         full_to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
         full_to_draft[ids] = torch.arange(ids.numel())
         return cls(ids, full_to_draft)
@@ -217,8 +219,9 @@ def block_loss(
     batch, width, dim = hidden.shape
     predicting = hidden.view(batch, width // block_size, block_size, dim)[:, :, 1:].reshape(-1, dim)
     device = hidden.device
+    labelled = predicting[targets.rows.to(device)]  # [N, d]
     losses, predicted = head_cross_entropy(
-        predicting[targets.rows.to(device)], head_weight, head_bias, targets.target_ids, targets.target_probs, chunk_size
+        labelled, head_weight, head_bias, targets.target_ids, targets.target_probs, chunk_size
     )
     if vocabulary is not None:
         predicted = vocabulary.ids.to(device)[predicted]

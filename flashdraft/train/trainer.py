@@ -337,7 +337,8 @@ class Trainer:
     @property
     def _reduce_device(self) -> torch.device:
         # gloo reduces CPU tensors, NCCL GPU tensors
-        return self.dist.device if self.dist.device.type == "cuda" and torch.distributed.is_initialized() else torch.device("cpu")
+        on_gpu = self.dist.device.type == "cuda" and torch.distributed.is_initialized()
+        return self.dist.device if on_gpu else torch.device("cpu")
 
     # ------------------------------------------------------------------ the loop
 
@@ -473,7 +474,8 @@ class Trainer:
                 _save_draft_atomic(self.draft, self.run_dir / BEST_DIR)
             if self.progress:
                 taus = ", ".join(f"{k} {v:.2f}" for k, v in evaluation["tau"].items())
-                tqdm.write(f"step {self.step}: tau {taus or '-'}; held-out loss {evaluation.get('heldout_loss', 0):.3f}")
+                loss = evaluation.get("heldout_loss", 0.0)
+                tqdm.write(f"step {self.step}: tau {taus or '-'}; held-out loss {loss:.3f}")
         self.evaluations, self.best = broadcast_object((self.evaluations, self.best))
         barrier()
 
@@ -575,7 +577,8 @@ def model_card(draft: DFlashDraftModel, summary: TrainSummary, card: Mapping) ->
         f"- draft layers: {config.num_hidden_layers}; block size {config.block_size}; "
         f"mask token id {draft.mask_token_id}; target feature layers {draft.target_layer_ids}",
         f"- trainable parameters: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M",
-        f"- drafting vocabulary: {f'{vocab_size} most frequent target output tokens (`draft_vocab_ids`)' if vocab_size else 'the full target vocabulary'}",
+        "- drafting vocabulary: "
+        + (f"{vocab_size} most frequent target output tokens (`draft_vocab_ids`)" if vocab_size else "the full one"),
         "",
         "## Training data",
         "",
