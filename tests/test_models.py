@@ -460,8 +460,9 @@ def test_default_target_folder_matches_its_gguf(smollm2_folder):
         "input_ids"
     ]
     with torch.no_grad():
-        ours = model.generate(ids, max_new_tokens=16, do_sample=False)
-        theirs = reference.eval().generate(ids, max_new_tokens=16, do_sample=False)
+        assert torch.equal(model(ids).logits, reference.eval()(ids).logits)
+        ours = model.generate(ids, max_new_tokens=10, do_sample=False)
+        theirs = reference.generate(ids, max_new_tokens=10, do_sample=False)
     assert ours.tolist() == theirs.tolist()
     assert "Paris" in tokenizer.decode(ours[0, ids.shape[1] :])
 
