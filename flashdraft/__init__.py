@@ -2,10 +2,12 @@
 
 from .decoding import GenerationResult, TokenStream, generate, stream
 from .draft import DFlashDraftModel, default_target_layer_ids
+from .models import DEFAULT_TARGET, load_draft, load_target
 from .target import TargetModel
 from .text import encode_chat, stop_token_ids
 
 __all__ = [
+    "DEFAULT_TARGET",
     "DFlashDraftModel",
     "GenerationResult",
     "TargetModel",
@@ -13,6 +15,8 @@ __all__ = [
     "default_target_layer_ids",
     "encode_chat",
     "generate",
+    "load_draft",
+    "load_target",
     "stop_token_ids",
     "stream",
 ]
