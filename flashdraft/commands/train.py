@@ -72,8 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="target weights' dtype; the draft trains in float32 under autocast when this is lower (default: float32)")
     add("--threads", type=int, default=None,
-        help="torch CPU threads (default: torch's choice, one per core); on a CPU shared with other jobs 1 is often "
-        "several times faster")
+        help="torch CPU threads (default: torch's choice, one per core); on a CPU shared with other jobs use 1, or "
+        "set OMP_WAIT_POLICY=PASSIVE in the environment: spinning threads can make training several times slower")
     add("--until", choices=STAGES, default="train", help="stop after this stage (default: train, the whole pipeline)")
 
     add = parser.add_argument_group("prompts").add_argument
