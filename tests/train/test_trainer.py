@@ -225,6 +225,14 @@ def test_draft_for_another_target_is_refused(tmp_path):
                 progress=False)
 
 
+def test_eager_attention_is_refused(tmp_path):
+    target, draft = target_and_draft()
+    draft.config._attn_implementation = "eager"  # would add the boolean block mask to the scores as 0/1
+    with pytest.raises(ValueError, match="not eager"):
+        Trainer(draft, target, pattern_sequences(4), OnlineFeatures(target, FEATURE_LAYERS), tmp_path / "r",
+                progress=False)
+
+
 def test_feature_layers_beyond_the_target_are_refused():
     with pytest.raises(ValueError, match=r"feature layers \[5\] do not exist: the target has 4 layers"):
         check_feature_layers([1, 5], 4)
