@@ -283,3 +283,17 @@ def test_cleanup_of_old_checkpoints(tmp_path):
     trainer.train()
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert kept == ["step-00000006.pt", "step-00000007.pt"]
+
+
+def test_a_bfloat16_target_trains_a_float32_draft_under_autocast(tmp_path):
+    target, draft = target_and_draft()
+    target = target.to(torch.bfloat16)
+    before = weights(draft)
+    trainer = Trainer(draft, target, pattern_sequences(8), OnlineFeatures(target, FEATURE_LAYERS), tmp_path / "r",
+                      TrainConfig(num_anchors=4, batch_size=2, max_steps=2), eval_prompts={"p": [[5, 6, 7, 8]]},
+                      progress=False)
+    summary = trainer.train()
+    assert math.isfinite(summary.final_loss)
+    assert summary.evaluations[-1]["tau"]["p"] >= 1.0
+    assert all(t.dtype == torch.float32 for t in draft.parameters())
+    assert not torch.equal(weights(draft)["fc.weight"], before["fc.weight"])
