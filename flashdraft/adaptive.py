@@ -109,7 +109,7 @@ class BlockSizeController:
         max_size: int,
         verify_costs: VerifyCosts,
         decay: float = 0.97,
-        first_probe_interval: int = 16,
+        first_probe_interval: int = 32,
         max_probe_interval: int = 512,
     ):
         self.max_size = max_size

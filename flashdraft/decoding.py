@@ -98,11 +98,13 @@ class DFlashProposer:
     def propose(self, anchor, context, start, block_size):
         block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
         first_position = start - context.shape[1]
+        dtype = self.draft.dtype  # a draft may run in another precision than its target
         hidden = self.draft(
-            self.target.embed(block), context, self.positions[:, first_position : start + block_size], self.cache
+            self.target.embed(block).to(dtype), context.to(dtype),
+            self.positions[:, first_position : start + block_size], self.cache,
         )
         self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
-        return self.head(hidden[:, 1:])[0]  # the anchor's output is dropped
+        return self.head(hidden[:, 1:].to(self.head.weight.dtype))[0]  # the anchor's output is dropped
 
 
 def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:

@@ -239,11 +239,20 @@ class DFlashDraftModel(PreTrainedModel):
         sliding_mask = attention_mask
         if attention_mask is None:
             sliding_mask = self._sliding_window_mask(position_ids, noise_embedding.shape[1], cache)
+        attention_mask, sliding_mask = self._for_kernel(attention_mask), self._for_kernel(sliding_mask)
         hidden_states = noise_embedding
         for layer in self.layers:
             mask = sliding_mask if layer.self_attn.sliding_window is not None else attention_mask
             hidden_states = layer(hidden_states, context, position_embeddings, mask, cache)
         return self.norm(hidden_states)
+
+    def _for_kernel(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Boolean masks (True = visible) suit sdpa and flex; the eager kernel adds its mask to the scores, so it
+        gets 0 where visible and the dtype's minimum elsewhere."""
+        if mask is None or mask.dtype != torch.bool or self.config._attn_implementation != "eager":
+            return mask
+        blocked = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+        return blocked.masked_fill_(~mask, torch.finfo(self.dtype).min)
 
     def _sliding_window_mask(self, position_ids, q_len, cache) -> torch.Tensor | None:
         """For sliding layers: a block query at position p sees context keys at k with p - k < window, and the

@@ -63,9 +63,9 @@ def test_observe_counts_only_the_positions_a_round_tested():
 
 def test_probes_come_less_often_while_drafting_does_not_pay():
     controller = controller_after(5, 0.0)
-    choices = [controller.choose() for _ in range(16 + 32)]
+    choices = [controller.choose() for _ in range(32 + 64)]
     assert choices.count(16) == 2
-    assert choices[15] == 16 and choices[47] == 16  # after 16, then after 32 more rounds without drafting
+    assert choices[31] == 16 and choices[95] == 16  # after 32, then after 64 more rounds without drafting
 
 
 def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):

@@ -152,9 +152,10 @@ def test_draft_cache_refuses_to_overflow():
         draft(noise, features, positions[None], DraftCache(draft.config, 10))
 
 
-def test_sliding_window_layers_ignore_context_beyond_the_window():
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_sliding_window_layers_ignore_context_beyond_the_window(attn):
     target = tiny_target("qwen3")
-    draft = tiny_draft(target, num_layers=2)
+    draft = tiny_draft(target, num_layers=2, attn_implementation=attn)
     draft.config.sliding_window = 6
     draft.config.layer_types = ["sliding_attention", "full_attention"]
     draft.layers[0].self_attn.sliding_window = 6
