@@ -121,7 +121,7 @@ class Usage(BaseModel):
 class Statistics(BaseModel):
     """flashdraft's own figures for one request, in the extra `flashdraft` field of a response."""
 
-    block_size: int  # tokens per verification: the anchor plus block_size - 1 proposals (1 = no draft)
+    block_size: int | str  # tokens per verification: the anchor plus block_size - 1 proposals (1 = no draft), or "auto"
     rounds: int  # target verifications after the prefill
     tau: float  # mean acceptance length: tokens per round (accepted proposals + the bonus token)
     acceptance_lengths: list[int]  # per round

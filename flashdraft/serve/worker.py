@@ -43,7 +43,7 @@ class Engine:
     tokenizer: PreTrainedTokenizerBase
     draft: DFlashDraftModel | None
     name: str
-    block_size: int  # tokens per verification; 1 = plain autoregressive decoding
+    block_size: int | str  # tokens per verification; 1 = plain autoregressive decoding; "auto" = adaptive
     stop_token_ids: frozenset[int]  # end of sequence / end of turn: generation stops on any of them
 
     @classmethod
@@ -54,7 +54,7 @@ class Engine:
         draft: DFlashDraftModel | None,
         *,
         name: str,
-        block_size: int | None = None,
+        block_size: int | str | None = None,
     ) -> "Engine":
         """Check the models fit together (at start-up, not on the first request); generation stops on the
         tokenizer's eos token and the generation config's eos ids (chat models put end-of-turn there)."""
@@ -62,8 +62,8 @@ class Engine:
         if draft is not None:
             check_compatible(draft, target)
         if block_size is None:
-            block_size = draft.block_size if draft is not None else 1
-        if block_size < 1 or (block_size > 1 and draft is None):
+            block_size = "auto" if draft is not None else 1
+        if block_size != "auto" and (block_size < 1 or (block_size > 1 and draft is None)):
             raise ValueError(f"block size {block_size} needs a draft: pass a draft, or use block size 1")
         return cls(target, tokenizer, draft, name, block_size, frozenset(stop_token_ids(model, tokenizer)))
 

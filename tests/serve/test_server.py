@@ -78,6 +78,7 @@ def base(folders, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server-log") / "server.log"
     command = [
         sys.executable, "-m", "flashdraft.cli", "serve", "--target", str(folders[0]), "--draft", str(folders[1]),
+        "--block-size", "8",  # fixed, so statistics compare with `generate`'s (the default adapts per process)
         "--host", "127.0.0.1", "--port", str(port), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL,
     ]
     # One thread: the tiny model gains nothing from more, and the machine is shared.

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0.0)
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     target = tiny_target(max_positions=512)
-    return Engine.from_models(target, TOKENIZER, tiny_draft(target, block_size=4), name="tiny")
+    return Engine.from_models(target, TOKENIZER, tiny_draft(target, block_size=4), name="tiny", block_size=4)
 
 
 def job(prompt, max_tokens=8, stop=(), loop=None) -> Job:
@@ -41,6 +41,11 @@ def test_stop_ids_come_from_tokenizer_and_generation_config():
     engine = Engine.from_models(target, TOKENIZER, None, name="tiny")
     assert engine.stop_token_ids == {EOT, 7, 9}
     assert engine.block_size == 1
+
+
+def test_block_size_adapts_by_default_with_a_draft():
+    target = tiny_target(max_positions=512)
+    assert Engine.from_models(target, TOKENIZER, tiny_draft(target, block_size=4), name="tiny").block_size == "auto"
 
 
 def test_block_size_above_one_needs_a_draft():
