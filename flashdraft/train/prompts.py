@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..text import encode_chat
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
@@ -242,11 +244,4 @@ def mix_prompts(
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of a prompt through the tokenizer's chat template, ending with the assistant turn's opening."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: "
-            "use an instruction-tuned target or set tokenizer.chat_template"
-        )
-    text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
-    # The template writes the special tokens (BOS included) itself.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode_chat(tokenizer, list(prompt.messages))

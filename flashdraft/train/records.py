@@ -94,13 +94,13 @@ def read_records(folder: str | Path) -> Iterator[TrainingRecord]:
                     yield TrainingRecord(**json.loads(line))
 
 
-def ensure_free_space(folder: Path, needed_bytes: int) -> None:
+def ensure_free_space(folder: Path, needed_bytes: int, what: str = "records") -> None:
     """Fail before the work, not hours into it, when the disk cannot hold the output."""
     free = shutil.disk_usage(folder).free
     if free < needed_bytes:
         raise ValueError(
-            f"{folder} has {free / 1e9:.2f} GB free but the records need about {needed_bytes / 1e9:.2f} GB: "
-            "free some space or choose another output folder"
+            f"{folder} has {free / 1e9:.2f} GB free but the {what} need about {needed_bytes / 1e9:.2f} GB: "
+            "free some space or choose another folder"
         )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from .. import text
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
 
@@ -22,11 +23,9 @@ BYTES_PER_TOPK_ENTRY = 20  # an id and a probability
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
-    """The ids that end a response: the generation config's EOS ids, else the tokenizer's EOS."""
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    """The ids that end a response (`flashdraft.text.stop_token_ids`); a target without any is refused, since its
+    responses would never end."""
+    ids = list(text.stop_token_ids(model, tokenizer))
     if not ids:
         raise ValueError("the target defines no end-of-sequence token: set model.generation_config.eos_token_id")
     return ids

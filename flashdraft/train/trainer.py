@@ -37,6 +37,7 @@ from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
 from .features import FeatureSource
+from .records import ensure_free_space
 from .loss import DEFAULT_CHUNK, DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
 
 CHECKPOINT_DIR = "checkpoints"
@@ -142,12 +143,7 @@ def ensure_writable(folder: Path, needed_bytes: int, what: str) -> None:
         probe.unlink()
     except OSError as error:
         raise ValueError(f"cannot write the {what} to {folder} ({error.strerror}): choose a writable folder") from None
-    free = shutil.disk_usage(folder).free
-    if free < needed_bytes:
-        raise ValueError(
-            f"{folder} has {free / 1e9:.2f} GB free but the {what} needs about {needed_bytes / 1e9:.2f} GB: "
-            "free some space or choose another folder"
-        )
+    ensure_free_space(folder, needed_bytes, what)
 
 
 class Trainer:

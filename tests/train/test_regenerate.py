@@ -13,7 +13,7 @@ from flashdraft.train import records
 from flashdraft.train.labels import label_responses
 from flashdraft.train.prompts import Prompt, encode_prompt, user_prompt
 from flashdraft.train.records import read_meta, read_records
-from flashdraft.train.regenerate import regenerate
+from flashdraft.train.regenerate import regenerate, stop_token_ids
 from tiny import greedy_reference, tiny_target, tiny_tokenizer
 
 MAX_NEW = 12
@@ -55,9 +55,9 @@ def test_batched_regeneration_equals_greedy_generate_per_prompt(tmp_path, arch):
     model = with_stop_token(tiny_target(arch, seed=1), prompts)
     stats = regenerate(model, TOKENIZER, prompts, tmp_path, max_new_tokens=MAX_NEW, batch_size=3, progress=False)
     got = responses(tmp_path)
-    stop = model.generation_config.eos_token_id
+    stops = stop_token_ids(model, TOKENIZER)  # the generation config's end token and the tokenizer's
     for prompt in prompts:
-        assert got[prompt.id] == greedy_reference(model, encode_prompt(TOKENIZER, prompt), MAX_NEW, [stop])
+        assert got[prompt.id] == greedy_reference(model, encode_prompt(TOKENIZER, prompt), MAX_NEW, stops)
     lengths = [len(r) for r in got.values()]
     assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW
     assert (stats.written, stats.already_done, stats.tokens) == (7, 0, sum(lengths))

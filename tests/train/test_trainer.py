@@ -259,7 +259,7 @@ def test_unwritable_or_full_run_folder_is_refused(tmp_path, monkeypatch):
         make_trainer(tmp_path, "file/run")
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(trainer_module.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
-    with pytest.raises(ValueError, match="GB free but the checkpoints needs"):
+    with pytest.raises(ValueError, match="GB free but the checkpoints need"):
         make_trainer(tmp_path)
     monkeypatch.setattr(features_module.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
     target, _ = target_and_draft()
