@@ -3,8 +3,8 @@
 A round that verifies b tokens (the anchor and b-1 proposals) costs one b-token target forward plus one draft
 pass, and yields on average E(b) = 1 + sum_{k<b} a_1 * ... * a_k tokens, where a_k is the chance that proposal k
 is accepted given that the ones before it were. The target's forward time for b tokens is measured once per
-model, dtype, device and thread count and cached on disk; the acceptance rates and the draft's time are tracked
-as generation goes. The chosen size is the b in 1..B maximising E(b) / cost(b): b = 1 turns speculation off,
+model, dtype, device and thread count and cached on disk, and so is the draft's time for one pass; the
+acceptance rates are tracked as generation goes. The chosen size is the b in 1..B maximising E(b) / cost(b): b = 1 turns speculation off,
 so a draft that does not help cannot make decoding much slower than plain decoding. While speculation is off,
 a probe round at full size every so often (less often each time the probe does not pay) keeps the estimates
 fresh.
@@ -70,13 +70,35 @@ def measure_verify_costs(
     return VerifyCosts(seconds)
 
 
-def cached_verify_costs(target: TargetModel, max_size: int) -> VerifyCosts:
-    """`measure_verify_costs`, measured once per model, dtype, device and thread count, then read from disk."""
+def measure_draft_seconds(proposer, target: TargetModel, block_size: int, context_length: int = 128,
+                          repeats: int = 3) -> float:
+    """Time one drafting pass of `proposer` after a context of random features (median of `repeats`)."""
+    width = len(proposer.target_layer_ids or []) * target.hidden_size
+    context = torch.randn(1, context_length, width, device=target.device, dtype=target.dtype) if width else None
+    anchor = torch.zeros(1, dtype=torch.long, device=target.device)
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        proposer.begin(context_length + block_size)
+        _synchronize(target.device)
+        began = time.perf_counter()
+        proposer.propose(anchor, context, context_length, block_size)
+        _synchronize(target.device)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[1:])
+
+
+def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCosts, float]:
+    """The target's verify costs up to `max_size` and the proposer's drafting time, measured once per model,
+    draft, dtype, device and thread count, then read from disk. Measured, not tracked online, so that the block
+    sizes chosen (and with them a seeded sampling run's output) do not depend on the machine's load of the day."""
     from .models import cache_home
 
+    draft = getattr(proposer, "draft", None)
     identity = json.dumps(
         {
             "model": target.config.to_json_string(use_diff=False),
+            "proposer": type(proposer).__name__,
+            "draft": draft.config.to_json_string(use_diff=False) if draft is not None else None,
             "dtype": str(target.dtype),
             "device": str(target.device),
             "threads": torch.get_num_threads(),
@@ -87,13 +109,15 @@ def cached_verify_costs(target: TargetModel, max_size: int) -> VerifyCosts:
     )
     path = cache_home() / "costs" / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
     if path.is_file():
-        return VerifyCosts({int(n): s for n, s in json.loads(path.read_text()).items()})
+        saved = json.loads(path.read_text())
+        return VerifyCosts({int(n): s for n, s in saved["verify"].items()}), saved["draft"]
     costs = measure_verify_costs(target, max_size)
+    draft_seconds = measure_draft_seconds(proposer, target, max_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(costs.seconds))
+    partial.write_text(json.dumps({"verify": costs.seconds, "draft": draft_seconds}))
     partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
-    return costs
+    return costs, draft_seconds
 
 
 def _synchronize(device: torch.device) -> None:
@@ -108,6 +132,7 @@ class BlockSizeController:
         self,
         max_size: int,
         verify_costs: VerifyCosts,
+        draft_seconds: float,
         decay: float = 0.97,
         first_probe_interval: int = 32,
         max_probe_interval: int = 512,
@@ -118,7 +143,8 @@ class BlockSizeController:
         # Pseudo-counts per proposal position k = 1..max_size-1: a prior acceptance of one half.
         self.accepted = [0.5] * (max_size - 1)
         self.tested = [1.0] * (max_size - 1)
-        self.draft_seconds: float | None = None
+        self.draft_seconds = draft_seconds
+        self.observed = False
         self.first_probe_interval = first_probe_interval
         self.max_probe_interval = max_probe_interval
         self.probe_interval = first_probe_interval
@@ -133,15 +159,14 @@ class BlockSizeController:
         return expected
 
     def best_size(self) -> int:
-        draft = self.draft_seconds or 0.0
         rates = [
-            self.expected_tokens(size) / (self.verify_costs(size) + (draft if size > 1 else 0.0))
+            self.expected_tokens(size) / (self.verify_costs(size) + (self.draft_seconds if size > 1 else 0.0))
             for size in range(1, self.max_size + 1)
         ]
         return 1 + max(range(len(rates)), key=rates.__getitem__)
 
     def choose(self) -> int:
-        if self.draft_seconds is None:  # nothing observed yet: a full block tests every position at once
+        if not self.observed:  # nothing observed yet: a full block tests every position at once
             return self.max_size
         size = self.best_size()
         if size > 1:
@@ -155,16 +180,14 @@ class BlockSizeController:
         self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
         return self.max_size
 
-    def observe(self, size: int, num_accepted: int, draft_seconds: float | None) -> None:
+    def observe(self, size: int, num_accepted: int) -> None:
         """Record a round: proposals 1..num_accepted were accepted, proposal num_accepted + 1 (if any) was not."""
         if size == 1:
             return
+        self.observed = True
         for k in range(self.max_size - 1):
             self.accepted[k] *= self.decay
             self.tested[k] *= self.decay
         for k in range(min(num_accepted + 1, size - 1)):
             self.tested[k] += 1.0
             self.accepted[k] += 1.0 if k < num_accepted else 0.0
-        if draft_seconds is not None:
-            previous = self.draft_seconds
-            self.draft_seconds = draft_seconds if previous is None else 0.8 * previous + 0.2 * draft_seconds

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .adaptive import BlockSizeController, cached_verify_costs
+from .adaptive import BlockSizeController, cached_costs
 from .draft import DFlashDraftModel, DraftCache
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from .target import TargetModel
@@ -184,7 +184,7 @@ def stream(
             block_size = 1
         else:
             block_size = native
-            controller = BlockSizeController(native, cached_verify_costs(target, native))
+            controller = BlockSizeController(native, *cached_costs(target, draft, native))
     elif block_size is None:
         block_size = native or 1
     if not isinstance(block_size, int) or block_size < 1:
@@ -273,13 +273,11 @@ def _decode(
 
     start = prompt_length  # position of the anchor: the last emitted token, not yet in the target's cache
     no_proposals = torch.empty(0, dtype=torch.long, device=target.device)
-    draft_seconds = None
     while True:
         # 2. Propose: B-1 tokens after the anchor (none when B == 1), never more than the budget needs.
         size = min(controller.choose() if controller else block_size, max_new_tokens - len(result.tokens))
         proposals, q = no_proposals, None
         if size > 1:
-            drafting = time.perf_counter()
             draft_logits = proposer.propose(anchor, context, start, draft_size)[: size - 1]  # [B-1, V_draft]
             if params.greedy:
                 proposals = draft_logits.argmax(dim=-1)
@@ -290,7 +288,6 @@ def _decode(
                 proposals = proposer.vocab_ids[proposals]
                 if q is not None:
                     q = q.new_zeros(size - 1, target.vocab_size).index_copy_(1, proposer.vocab_ids, q)
-            draft_seconds = time.perf_counter() - drafting  # host time: exact on CPU, a lower bound on GPUs
         elif not params.greedy:
             q = logits.new_empty(0, target.vocab_size)
 
@@ -317,7 +314,7 @@ def _decode(
         result.acceptance_lengths.append(num_accepted + 1)
         result.block_sizes.append(size)
         if controller:
-            controller.observe(size, num_accepted, draft_seconds if size > 1 else None)
+            controller.observe(size, num_accepted)
         emitted, going_on = _emit(new_tokens, result, stop_ids, max_new_tokens)
         result.decode_seconds = time.perf_counter() - began
         yield emitted
