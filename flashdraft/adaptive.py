@@ -18,7 +18,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
