@@ -279,6 +279,7 @@ def _decode(
         proposals, q = no_proposals, None
         if size > 1:
             draft_logits = proposer.propose(anchor, context, start, draft_size)[: size - 1]  # [B-1, V_draft]
+            context = None  # consumed: the draft's cache holds it now
             if params.greedy:
                 proposals = draft_logits.argmax(dim=-1)
             else:
@@ -304,11 +305,12 @@ def _decode(
         num_accepted = values[0]
         new_tokens = values[1 : 1 + num_accepted] + [values[-1]]
 
-        # 5. Roll back: the target's cache keeps the anchor and the accepted proposals; their features are
-        #    the draft's next context; the bonus token is the next anchor.
+        # 5. Roll back: the target's cache keeps the anchor and the accepted proposals; their features join
+        #    the draft's pending context (rounds without drafting add theirs too); the bonus is the next anchor.
         target.rollback(cache, size - (num_accepted + 1))
         if features is not None:
-            context = features[:, : num_accepted + 1]
+            verified = features[:, : num_accepted + 1]
+            context = verified if context is None else torch.cat([context, verified], dim=1)
         anchor = bonus.view(1)
         start += num_accepted + 1
         result.acceptance_lengths.append(num_accepted + 1)

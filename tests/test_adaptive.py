@@ -119,3 +119,26 @@ def test_auto_with_a_perfect_proposer_keeps_whole_blocks(cpu_like_costs):
     result = flashdraft.generate(target, oracle, [3, 4], max_new_tokens=80, block_size="auto")
     assert result.tokens == reference
     assert result.block_sizes[:-1] == [8] * (len(result.block_sizes) - 1)
+
+
+class RecordingProposer(DFlashProposer):
+    """A DFlash proposer that notes, for every draft call, where the anchor is and how much context came with it."""
+
+    def begin(self, max_positions):
+        super().begin(max_positions)
+        self.calls = []
+
+    def propose(self, anchor, context, start, block_size):
+        self.calls.append((start, context.shape[1]))
+        return super().propose(anchor, context, start, block_size)
+
+
+def test_rounds_without_drafting_still_give_the_draft_their_context(cpu_like_costs):
+    target = tiny_target("llama", seed=2)
+    proposer = RecordingProposer(tiny_draft(target, block_size=8), TargetModel(target))
+    result = flashdraft.generate(target, proposer, [3, 4], max_new_tokens=120, block_size="auto")
+    assert result.block_sizes.count(1) > 20 and len(proposer.calls) >= 2  # probes after runs of plain decoding
+    seen = 0
+    for start, context_length in proposer.calls:  # the contexts tile every position before each anchor
+        seen += context_length
+        assert seen == start
