@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from flashdraft.bench.datasets import DATASETS, get_dataset
 from flashdraft.bench.methods import METHOD_NAMES, DecodeSettings, build_methods, reference_available
@@ -15,7 +18,11 @@ from flashdraft.text import stop_token_ids
 from flashdraft.bench.metrics import summarize
 from flashdraft.bench.report import markdown_table, require_matplotlib, write_report
 from flashdraft.bench.runner import run_benchmark
+from flashdraft.bench.replay import greedy_answers, markdown_replay_table, replay, replay_text, summarize_replay
+from flashdraft.decoding import DFlashProposer
 from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
+from flashdraft.target import TargetModel
+from flashdraft.text import encode_chat
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAFT_METHODS = {"flashdraft", "reference", "transformers-dflash"}
@@ -59,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="folder for results.json, results.md and the plots (default: bench-results)")
     add("--assistant", default=None,
         help="small model with the target's tokenizer for the `assisted` method (registry name, folder or hub id)")
+    add("--replay", action="store_true",
+        help="measure only the draft's acceptance (tau), fast: the target writes its greedy answers in batches, "
+        "then the draft replays the decoding rounds over them at each --block-sizes (integers). No timings and "
+        "no other methods; MT-Bench contributes its first turns. Writes replay.json and replay.md")
+    add("--batch-size", type=int, default=8, help="prompts per batch of target answers under --replay (default: 8)")
     parser.set_defaults(func=run)
 
 
@@ -85,16 +97,12 @@ def _method_names(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.num_samples < 0 or args.max_new_tokens < 1 or args.temperature < 0:
         raise ValueError("--num-samples must be >= 0, --max-new-tokens >= 1 and --temperature >= 0")
+    if args.replay:
+        return run_replay(args)
     require_matplotlib()
     device, dtype = _device_and_dtype(args)
     names = _method_names(args)
-    datasets = {}
-    for name in args.datasets:
-        dataset = get_dataset(name)
-        if dataset.name in datasets:
-            raise ValueError(f"dataset {dataset.name!r} is given twice: name each dataset (or file) once")
-        datasets[dataset.name] = dataset.load(args.num_samples or None, args.seed)
-
+    datasets = _load_datasets(args)
     target, tokenizer = load_target(args.target, device=device, dtype=dtype)
     draft = load_draft(args.draft, device=device, dtype=dtype) if DRAFT_METHODS & set(names) else None
     assistant = assistant_tokenizer = None
@@ -117,6 +125,56 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(summaries))
     for kind, path in paths.items():
         print(f"{kind}: {path}")
+    return 0
+
+
+def _load_datasets(args: argparse.Namespace) -> dict:
+    datasets = {}
+    for name in args.datasets:
+        dataset = get_dataset(name)
+        if dataset.name in datasets:
+            raise ValueError(f"dataset {dataset.name!r} is given twice: name each dataset (or file) once")
+        datasets[dataset.name] = dataset.load(args.num_samples or None, args.seed)
+    return datasets
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """`--replay`: tau per dataset and block size from the target's batched greedy answers."""
+    if args.methods is not None:
+        raise ValueError("--replay measures the draft alone: drop --methods (or drop --replay to compare methods)")
+    if args.temperature != 0:
+        raise ValueError("--replay replays greedy decoding: use --temperature 0 (or drop --replay)")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    block_sizes = args.block_sizes
+    if block_sizes is not None and any(not isinstance(size, int) for size in block_sizes):
+        raise ValueError("--replay needs fixed block sizes (integers): `auto` chooses them from timings")
+    device, dtype = _device_and_dtype(args)
+    datasets = _load_datasets(args)
+    target, tokenizer = load_target(args.target, device=device, dtype=dtype)
+    draft = load_draft(args.draft, device=device, dtype=dtype)
+    adapter = TargetModel(target)
+    proposer = DFlashProposer(draft, adapter)
+    stops = stop_token_ids(target, tokenizer)
+    summaries, records = [], []
+    for name, samples in datasets.items():
+        prompts = [encode_chat(tokenizer, sample.messages([]), not args.no_chat_template) for sample in samples]
+        answers = greedy_answers(target, prompts, args.max_new_tokens, stops, args.batch_size)
+        texts = [replay_text(adapter, draft.target_layer_ids, p, a) for p, a in zip(prompts, answers)]
+        for size in block_sizes or [draft.block_size]:
+            lengths = [replay(proposer, text, size) for text in tqdm(texts, desc=f"{name} replay at {size}",
+                                                                      unit="prompt", leave=False)]
+            summaries.append(summarize_replay(name, size, texts, lengths))
+            records += [{"dataset": name, "sample_id": sample.id, "block_size": size, "answer": answer,
+                         "acceptance_lengths": rounds}
+                        for sample, answer, rounds in zip(samples, answers, lengths)]
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown_replay_table(summaries)
+    (args.output_dir / "replay.json").write_text(json.dumps(
+        {"command": shlex.join(sys.argv), "summaries": [asdict(s) for s in summaries], "records": records}) + "\n")
+    (args.output_dir / "replay.md").write_text(f"`{shlex.join(sys.argv)}`\n\n{table}\n")
+    print(table)
+    print(f"results: {args.output_dir / 'replay.json'}")
     return 0
 
 

@@ -135,13 +135,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--checkpoint-every", type=int, default=200, help="steps between checkpoints (default: 200)")
     add("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept (default: 2)")
     add("--eval-every", type=int, default=500,
-        help="steps between evaluations by speculative decoding; 0 = at the end only (default: 500)")
+        help="steps between evaluations of tau (greedy decoding replayed on the target's answers); 0 = at the "
+        "end only (default: 500)")
     add("--eval-sets", default=HELDOUT_SET,
         help=f"prompt sets to measure tau on, comma separated: {HELDOUT_SET} (prompts of held-out records), built-in "
         f"{', '.join(DATASETS)} (their last prompts, apart from the usual benchmark samples), or .jsonl files; the "
         "draft with the best mean tau is kept (default: %(default)s)")
-    add("--eval-prompts", type=int, default=4, help="prompts per evaluation set (default: 4)")
-    add("--eval-max-new-tokens", type=int, default=64, help="tokens generated per evaluation prompt (default: 64)")
+    add("--eval-prompts", type=int, default=16, help="prompts per evaluation set (default: 16)")
+    add("--eval-max-new-tokens", type=int, default=128,
+        help="length of the target's answer to each evaluation prompt, written once (default: 128)")
     add("--heldout", type=int, default=16,
         help="records kept out of training for held-out loss, accuracy and the heldout prompt set (default: 16)")
     add("--seed", type=int, default=0, help="seed of the prompt mix, anchors and data order (default: 0)")

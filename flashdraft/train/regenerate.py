@@ -82,7 +82,7 @@ def generate_batch(
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [b, width]: pads sit at position 0
     next_position = attention_mask.sum(-1)  # [b] position of each row's next token
     rows = torch.arange(len(prompt_ids), device=device)  # original row of each row still decoding
-    stop = torch.tensor(list(stop_ids), device=device)
+    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     responses: list[list[int]] = [[] for _ in prompt_ids]
     top: list[tuple[list, list]] = [([], []) for _ in prompt_ids]
 

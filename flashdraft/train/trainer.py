@@ -1,4 +1,4 @@
-"""The draft trainer: optimisation, checkpoints and resume, evaluation by real speculative decoding, the output.
+"""The draft trainer: optimisation, checkpoints and resume, evaluation by replayed speculative decoding, the output.
 
 One optimizer step takes a global batch of `batch_size * grad_accum * world_size` training sequences (in a
 seeded order that changes every epoch), opens `num_anchors` random blocks in each (`blocks.py`), runs the draft
@@ -9,9 +9,10 @@ warmup then cosine decay, gradient clipping. The target's embeddings and head ar
 A checkpoint (every `checkpoint_every` steps and at the end) holds the draft, optimizer, scheduler, RNG states,
 the step (which fixes the data position: epoch and batch follow from it) and the evaluation history. A run
 restarted on the same run folder continues from its last checkpoint and ends with the same weights as an
-uninterrupted run. Every `eval_every` steps the draft decodes a few held-out prompts with the real speculative
-loop (`flashdraft.generate`) and the best draft so far (by mean tau) is kept; the output folder receives it in
-the DFlash checkpoint format with a model card.
+uninterrupted run. Every `eval_every` steps the draft's tau on a few held-out prompts is measured by replaying the
+greedy loop's rounds on the target's answers (`flashdraft.bench.replay`, answers and features computed once) and
+the best draft so far (by mean tau) is kept; the output folder receives it in the DFlash checkpoint format with a
+model card.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from ..decoding import check_compatible, generate
+from ..bench.replay import ReplayText, greedy_answers, replay, replay_text
+from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
@@ -199,6 +201,7 @@ class Trainer:
         self.heldout = [s for s in heldout if len(s.anchor_positions) > 0]
         self.eval_prompts = {name: [list(p) for p in prompts] for name, prompts in (eval_prompts or {}).items()}
         self.stop_token_ids = list(stop_token_ids)
+        self._eval_texts: dict[str, list[ReplayText]] | None = None  # built at the first evaluation
         self.progress = progress and self.dist.is_main
         self.run_dir = Path(run_dir)
 
@@ -420,21 +423,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
+    def eval_texts(self) -> dict[str, list[ReplayText]]:
+        """The target's greedy answers to the evaluation prompts, with its features over them: computed once, since
+        the target is frozen, so every evaluation costs draft forwards only."""
+        if self._eval_texts is None:
+            self._eval_texts = {}
+            with self._autocast():
+                for name, prompts in self.eval_prompts.items():
+                    answers = greedy_answers(self.target.model, prompts, self.config.eval_max_new_tokens,
+                                             self.stop_token_ids, progress=False)
+                    self._eval_texts[name] = [replay_text(self.target, self.draft.target_layer_ids, prompt, answer)
+                                              for prompt, answer in zip(prompts, answers)]
+        return self._eval_texts
+
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Tau of real speculative decoding on each set of held-out prompts (greedy, pooled over the rounds of
-        all prompts) and the teacher-forced loss and per-position accuracy on the held-out sequences."""
+        """Tau of greedy speculative decoding at the draft's block size on each set of evaluation prompts (pooled
+        over the rounds of all prompts), replayed on the target's answers (`flashdraft.bench.replay`: the rounds
+        of real decoding without its verification forwards), and the teacher-forced loss and per-position accuracy
+        on the held-out sequences."""
         self.draft.eval()
         result: dict = {"step": self.step, "tau": {}}
-        for name, prompts in self.eval_prompts.items():
+        proposer = DFlashProposer(self.draft, self.target)
+        for name, texts in self.eval_texts().items():
             rounds = []
-            for prompt in prompts:
+            for text in texts:
                 with self._autocast():
-                    generation = generate(
-                        self.target, self.draft, prompt, max_new_tokens=self.config.eval_max_new_tokens,
-                        stop_token_ids=self.stop_token_ids,
-                    )
-                rounds += generation.acceptance_lengths
+                    rounds += replay(proposer, text, self.draft.block_size)
             result["tau"][name] = sum(rounds) / len(rounds) if rounds else 0.0
         if self.heldout:
             loss = weight = 0.0

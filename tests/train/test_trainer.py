@@ -1,17 +1,22 @@
 """The trainer on tiny models: it learns, resumes a killed run to the same weights, accumulates exactly, stores
-features offline equal to online ones, evaluates with real speculative decoding, keeps the best draft, writes the
+features offline equal to online ones, evaluates by replayed speculative decoding (equal to the real loop), keeps the best draft, writes the
 output folder, and stops bad input before any work."""
 
 import json
 import math
+import random
 from collections import namedtuple
 
 import pytest
 import torch
 
+import flashdraft
 from flashdraft import DFlashDraftModel
 from flashdraft.draft import check_draft_folder
+from flashdraft.bench.replay import greedy_answers
 from flashdraft.train import features as features_module
+from flashdraft.train.blocks import TrainingSequence
+from flashdraft.train.records import TrainingRecord
 from flashdraft.train import trainer as trainer_module
 from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store, check_feature_layers
 from flashdraft.train.loss import DraftVocabulary
@@ -297,3 +302,23 @@ def test_a_bfloat16_target_trains_a_float32_draft_under_autocast(tmp_path):
     assert summary.evaluations[-1]["tau"]["p"] >= 1.0
     assert all(t.dtype == torch.float32 for t in draft.parameters())
     assert not torch.equal(weights(draft)["fc.weight"], before["fc.weight"])
+
+
+def test_evaluation_tau_is_the_tau_of_real_decoding(tmp_path):
+    target, _ = target_and_draft()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, VOCAB) for _ in range(rng.randint(2, 6))] for _ in range(40)]
+    answers = greedy_answers(target, prompts, 24, stop_ids=[], progress=False)
+    sequences = [TrainingSequence.from_record(TrainingRecord(id=f"s{i}", source="own", input_ids=p + a,
+                                                             response_start=len(p)), max_length=64)
+                 for i, (p, a) in enumerate(zip(prompts, answers))]
+    config = TrainConfig(num_anchors=8, batch_size=4, max_steps=60, learning_rate=1e-2, eval_max_new_tokens=24,
+                         checkpoint_every=100)
+    trainer = make_trainer(tmp_path, sequences=sequences[:36], config=config, eval_prompts={"own": prompts[36:]})
+    trainer.train()
+    rounds = []
+    for prompt in prompts[36:]:
+        rounds += flashdraft.generate(trainer.target, trainer.draft, prompt, max_new_tokens=24).acceptance_lengths
+    tau = trainer.evaluate()["tau"]["own"]
+    assert tau > 1.2  # a draft that learnt something, so the comparison is not between two runs of ones
+    assert tau == pytest.approx(sum(rounds) / len(rounds))

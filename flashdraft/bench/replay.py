@@ -1,0 +1,123 @@
+"""Acceptance by replay: the tau a draft gets on the target's greedy answers, without running the decoding loop.
+
+At temperature 0 the loop's output is the target's greedy continuation whatever the draft proposes, and in every
+round the draft sees only tokens of that continuation and the target's features of the positions before the
+anchor. Given the continuation and the target's features over prompt + continuation (one forward), the rounds can
+be replayed with draft forwards alone: accept the longest prefix of the proposals that matches the continuation,
+put the next anchor right after it. The acceptance lengths are those of `flashdraft.generate` at the same fixed
+block size (up to floating-point differences between one long forward and the loop's cached ones), at a fraction
+of its cost: no verification forwards, and answers written in batches. Training evaluates every checkpoint this
+way on features computed once; `flashdraft bench --replay` measures tau on many prompts quickly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding import Proposer
+from ..target import TargetModel
+
+
+@dataclass
+class ReplayText:
+    """A prompt and the target's greedy answer to it, with the target's features over both."""
+
+    token_ids: torch.Tensor  # [L] prompt then answer
+    prompt_length: int
+    features: torch.Tensor  # [1, L, k*d] the draft's feature layers, concatenated
+
+    @property
+    def answer_length(self) -> int:
+        return self.token_ids.numel() - self.prompt_length
+
+
+@torch.no_grad()
+def replay_text(target: TargetModel, layer_ids: list[int], prompt: Sequence[int], answer: Sequence[int]) -> ReplayText:
+    """Features of prompt + answer for the draft's `layer_ids` (one uncached forward)."""
+    if not answer:
+        raise ValueError("an answer to replay needs at least one token")
+    token_ids = torch.tensor([*prompt, *answer], device=target.device)
+    positions = torch.arange(token_ids.numel(), device=target.device)[None]
+    _, features = target.forward(token_ids[None], positions, target.new_cache(), layer_ids, logits_to_keep=1)
+    return ReplayText(token_ids, len(prompt), features)
+
+
+@torch.no_grad()
+def replay(proposer: Proposer, text: ReplayText, block_size: int) -> list[int]:
+    """Acceptance lengths of the rounds the greedy loop runs on `text` at a fixed `block_size` with
+    max_new_tokens = the answer's length (the first token, from the prefill, is not a round)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    ids, prompt_length = text.token_ids, text.prompt_length
+    draft_size = max(block_size, proposer.block_size or 0)
+    proposer.begin(ids.numel() + draft_size)
+    lengths: list[int] = []
+    start, context_start = prompt_length, 0  # the anchor's position; the first position the draft has not seen
+    while (emitted := start - prompt_length + 1) < text.answer_length:
+        size = min(block_size, text.answer_length - emitted)
+        accepted = 0
+        if size > 1:
+            context = text.features[:, context_start:start]
+            logits = proposer.propose(ids[start : start + 1], context, start, draft_size)[: size - 1]
+            proposals = logits.argmax(dim=-1)
+            if proposer.vocab_ids is not None:
+                proposals = proposer.vocab_ids[proposals]
+            matches = proposals == ids[start + 1 : start + size]
+            accepted = int(matches.cumprod(dim=0).sum())
+            context_start = start
+        lengths.append(accepted + 1)
+        start += accepted + 1
+    return lengths
+
+
+def greedy_answers(
+    model, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: Sequence[int], batch_size: int = 8,
+    progress: bool = True,
+) -> list[list[int]]:
+    """The target's greedy answer to each prompt, decoded in batches of similar length (left-padded). Batching
+    can flip a near-tie now and then against one-by-one decoding; the replayed tau is the draft's on these answers."""
+    from tqdm.auto import tqdm
+
+    from ..train.regenerate import generate_batch
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    with tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress) as bar:
+        for first in range(0, len(order), batch_size):
+            batch = order[first : first + batch_size]
+            responses, _ = generate_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids)
+            for i, response in zip(batch, responses):
+                answers[i] = response
+            bar.update(len(batch))
+    return answers
+
+
+@dataclass
+class ReplaySummary:
+    dataset: str
+    block_size: int
+    prompts: int
+    answer_tokens: float  # mean per prompt
+    tau: float  # pooled over all rounds of all prompts
+    acceptance_histogram: dict[int, int]
+
+
+def summarize_replay(dataset: str, block_size: int, texts: Sequence[ReplayText],
+                     lengths: Sequence[list[int]]) -> ReplaySummary:
+    from .metrics import acceptance_histogram, tau
+
+    pooled = [length for rounds in lengths for length in rounds]
+    return ReplaySummary(dataset, block_size, len(texts), sum(t.answer_length for t in texts) / max(len(texts), 1),
+                         tau(pooled), acceptance_histogram(pooled))
+
+
+def markdown_replay_table(summaries: Sequence[ReplaySummary]) -> str:
+    lines = ["| dataset | block size | prompts | answer tokens | tau |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {s.dataset} | {s.block_size} | {s.prompts} | {s.answer_tokens:.1f} | {s.tau:.2f} |"
+              for s in summaries]
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Acceptance by replay: the same rounds as the decoding loop, on the target's greedy answers."""
+
+import json
+
+import pytest
+import torch
+
+import flashdraft
+from flashdraft.bench.replay import greedy_answers, replay, replay_text
+from flashdraft.cli import main
+from flashdraft.decoding import DFlashProposer
+from flashdraft.target import TargetModel
+from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target
+
+MASK = 1
+
+
+class FeatureOracle(OracleProposer):
+    """The test oracle, declared to read one target layer so the loop and the replay hand it features."""
+
+    target_layer_ids = [0]
+    block_size = None
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 7])
+@pytest.mark.parametrize("wrong_at", [set(), {9, 10, 17, 30, 31, 32}, set(range(0, 60, 3))])
+def test_replay_gives_the_loops_acceptance_lengths(block_size, wrong_at):
+    target = tiny_target("qwen3", seed=5)
+    prompt = [5, 6, 7, 8]
+    answer = greedy_reference(target, prompt, 40)
+    oracle = FeatureOracle(len(prompt), answer, 96, wrong_at={p + len(prompt) for p in wrong_at})
+    looped = flashdraft.generate(target, oracle, prompt, max_new_tokens=40, block_size=block_size)
+    assert looped.tokens == answer
+    text = replay_text(TargetModel(target), [0], prompt, answer)
+    assert replay(oracle, text, block_size) == looped.acceptance_lengths
+
+
+class RecordingProposer(DFlashProposer):
+    def begin(self, max_positions):
+        super().begin(max_positions)
+        self.calls = []
+
+    def propose(self, anchor, context, start, block_size):
+        logits = super().propose(anchor, context, start, block_size)
+        self.calls.append((start, context.shape[1], anchor.item(), logits))
+        return logits
+
+
+def test_replay_feeds_a_dflash_draft_what_the_loop_feeds_it():
+    target = tiny_target("llama", seed=3, forbid_token=MASK)
+    draft = tiny_draft(target, block_size=4, mask_token_id=MASK, seed=1)
+    prompt = list(range(10, 30))
+    answer = greedy_reference(target, prompt, 24)
+    loop_proposer, replay_proposer = (RecordingProposer(draft, TargetModel(target)) for _ in range(2))
+    looped = flashdraft.generate(target, loop_proposer, prompt, max_new_tokens=24, block_size=4)
+    lengths = replay(replay_proposer, replay_text(TargetModel(target), draft.target_layer_ids, prompt, answer), 4)
+    assert lengths == looped.acceptance_lengths
+    assert len(loop_proposer.calls) == len(replay_proposer.calls) > 5
+    for (start, context, anchor, logits), (start2, context2, anchor2, logits2) in zip(
+        loop_proposer.calls, replay_proposer.calls
+    ):
+        assert (start, context, anchor) == (start2, context2, anchor2)
+        torch.testing.assert_close(logits, logits2, atol=1e-4, rtol=0)  # the forbidden mask token: -inf in both
+
+
+def test_the_last_rounds_stay_within_the_answer():
+    target = tiny_target("llama", seed=3)
+    prompt, answer = [3, 4], greedy_reference(target, [3, 4], 9)
+    perfect = FeatureOracle(2, answer, 96)
+    text = replay_text(TargetModel(target), [0], prompt, answer)
+    assert replay(perfect, text, 4) == [4, 4]  # tokens 2-5 and 6-9 after the prefill's first token
+    assert replay(perfect, text, 1) == [1] * 8
+    assert replay(perfect, replay_text(TargetModel(target), [0], prompt, answer[:1]), 4) == []
+
+
+def test_batched_greedy_answers_match_one_by_one_decoding():
+    target = tiny_target("llama", seed=4)
+    prompts = [[5], list(range(10, 30)), [7, 8, 9], list(range(40, 52))]
+    answers = greedy_answers(target, prompts, 12, stop_ids=[2], batch_size=3, progress=False)
+    assert answers == [greedy_reference(target, p, 12, stop_token_ids=[2]) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-replay")
+    from tiny import tiny_tokenizer
+
+    target = tiny_target("llama", forbid_token=MASK)
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    tiny_draft(target, block_size=4, mask_token_id=MASK).save_pretrained(root / "draft")
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) for i in range(3)) + "\n")
+    return root
+
+
+def test_bench_replay_command(folders, capsys):
+    out = folders / "out"
+    code = main(["bench", "--replay", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+                 "--datasets", str(folders / "prompts.jsonl"), "--block-sizes", "2", "4", "--max-new-tokens", "8",
+                 "--batch-size", "2", "--output-dir", str(out)])
+    assert code == 0
+    results = json.loads((out / "replay.json").read_text())
+    assert [(s["dataset"], s["block_size"], s["prompts"]) for s in results["summaries"]] == [
+        ("prompts", 2, 3), ("prompts", 4, 3)]
+    for summary in results["summaries"]:
+        rounds = [r for r in results["records"] if r["block_size"] == summary["block_size"]]
+        pooled = [length for r in rounds for length in r["acceptance_lengths"]]
+        assert summary["tau"] == pytest.approx(sum(pooled) / len(pooled))
+        # every answer's tokens after the first are covered by its rounds
+        assert all(sum(r["acceptance_lengths"]) == len(r["answer"]) - 1 for r in rounds)
+    assert "| prompts | 4 | 3 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--methods", "ar"], "drop --methods"),
+    (["--block-sizes", "auto"], "fixed block sizes"),
+    (["--temperature", "0.5"], "--temperature 0"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+])
+def test_bench_replay_refuses_what_it_cannot_measure(folders, capsys, extra, message):
+    code = main(["bench", "--replay", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+                 "--datasets", str(folders / "prompts.jsonl"), "--output-dir", str(folders / "unused"), *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err
