@@ -12,8 +12,11 @@ way on features computed once; `flashdraft bench --replay` measures tau on many 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -94,6 +97,31 @@ def greedy_answers(
             for i, response in zip(batch, responses):
                 answers[i] = response
             bar.update(len(batch))
+    return answers
+
+
+def cached_greedy_answers(
+    model, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: Sequence[int], batch_size: int,
+    cache_dir: Path,
+) -> list[list[int]]:
+    """`greedy_answers`, kept in `cache_dir` under a key of the target (name, shapes, dtype, device and a checksum
+    of its embeddings), the prompts and the settings: comparing drafts on the same prompts writes the answers once."""
+    embeddings = model.get_input_embeddings().weight.detach()
+    key = json.dumps({
+        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "shape": list(embeddings.shape), "dtype": str(embeddings.dtype), "device": embeddings.device.type,
+        "checksum": float(embeddings.double().sum()), "layers": model.config.get_text_config().num_hidden_layers,
+        "prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens, "stop_ids": list(stop_ids),
+        "batch_size": batch_size,
+    })
+    path = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    answers = greedy_answers(model, prompts, max_new_tokens, stop_ids, batch_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(answers))
+    partial.replace(path)  # atomic: a killed run leaves no half-written answers behind
     return answers
 
 

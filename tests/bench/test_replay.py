@@ -93,7 +93,8 @@ def folders(tmp_path_factory):
     return root
 
 
-def test_bench_replay_command(folders, capsys):
+def test_bench_replay_command(folders, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path / "home"))
     out = folders / "out"
     code = main(["bench", "--replay", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
                  "--datasets", str(folders / "prompts.jsonl"), "--block-sizes", "2", "4", "--max-new-tokens", "8",
@@ -122,3 +123,19 @@ def test_bench_replay_refuses_what_it_cannot_measure(folders, capsys, extra, mes
                  "--datasets", str(folders / "prompts.jsonl"), "--output-dir", str(folders / "unused"), *extra])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_answers_are_written_once_per_target_prompts_and_settings(tmp_path, monkeypatch):
+    import flashdraft.bench.replay as replay_module
+
+    target = tiny_target("llama", seed=4)
+    calls = []
+    real = replay_module.greedy_answers
+    monkeypatch.setattr(replay_module, "greedy_answers", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    first = replay_module.cached_greedy_answers(target, [[5, 6], [7]], 6, [2], 2, tmp_path)
+    assert replay_module.cached_greedy_answers(target, [[5, 6], [7]], 6, [2], 2, tmp_path) == first
+    assert len(calls) == 1
+    replay_module.cached_greedy_answers(target, [[5, 6], [7]], 7, [2], 2, tmp_path)  # another length
+    replay_module.cached_greedy_answers(tiny_target("llama", seed=5), [[5, 6], [7]], 6, [2], 2, tmp_path)
+    assert len(calls) == 3
+    assert first == [greedy_reference(target, p, 6, stop_token_ids=[2]) for p in ([5, 6], [7])]
