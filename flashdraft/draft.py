@@ -234,11 +234,11 @@ class DFlashDraftModel(PreTrainedModel):
     ) -> torch.Tensor:
         context = self.project_context(target_hidden)
         position_embeddings = self.rotary_emb(noise_embedding, position_ids)
-        # A caller's mask (training: one forward over many blocks) applies to every layer; otherwise only
-        # sliding layers need one.
-        sliding_mask = attention_mask
-        if attention_mask is None:
-            sliding_mask = self._sliding_window_mask(position_ids, noise_embedding.shape[1], cache)
+        # A caller's mask (training: one forward over many blocks) applies to every layer, cut to the window in
+        # sliding layers; without one, only sliding layers need a mask.
+        sliding_mask = self._sliding_window_mask(position_ids, noise_embedding.shape[1], cache)
+        if attention_mask is not None:
+            sliding_mask = attention_mask if sliding_mask is None else attention_mask & sliding_mask
         attention_mask, sliding_mask = self._for_kernel(attention_mask), self._for_kernel(sliding_mask)
         hidden_states = noise_embedding
         for layer in self.layers:
@@ -263,7 +263,8 @@ class DFlashDraftModel(PreTrainedModel):
         cached = cache.get_seq_length() if cache is not None else 0
         if cached + position_ids.shape[1] <= window:
             return None
-        # Cached keys are the contiguous positions 0..cached-1 (the decoding loop only caches verified context).
+        # Cached keys are the contiguous positions 0..cached-1 (the decoding loop only caches verified context);
+        # in training there is no cache and the keys are exactly `position_ids`.
         key_positions = torch.cat(
             [torch.arange(cached, device=position_ids.device).expand(position_ids.shape[0], -1), position_ids], 1
         )

@@ -176,13 +176,6 @@ class Trainer:
             )
         if draft.block_size < 2:
             raise ValueError(f"training needs a block size of at least 2, the draft has {draft.block_size}")
-        if draft.config._attn_implementation == "eager":
-            # transformers' eager attention adds the mask to the scores: a boolean block mask would add 0 or 1
-            raise ValueError("training needs the draft's attention in sdpa (or flex) mode, not eager: load it with "
-                             "attn_implementation=\"sdpa\"")
-        if "sliding_attention" in draft.config.layer_types:
-            # One training mask serves every layer; sliding layers would need the window cut into it as well.
-            raise ValueError("training drafts with sliding-window layers is not supported: use full-attention layers")
         self.sequences = [s for s in sequences if len(s.anchor_positions) > 0]
         if not self.sequences:
             raise ValueError("no training sequence has a response of 2 tokens or more: the training set is empty")

@@ -33,11 +33,18 @@ def training_logits(draft, target, sequence, anchors, features):
     return target.head(hidden)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_training_forward_equals_decoding_draft_forward(arch):
+@pytest.mark.parametrize("arch, attn, window", [
+    ("llama", "sdpa", None), ("qwen3", "sdpa", None), ("qwen3", "eager", None), ("qwen3", "sdpa", 10),
+    ("llama", "eager", 10),
+])
+def test_training_forward_equals_decoding_draft_forward(arch, attn, window):
     model = tiny_target(arch, seed=3)
     target = TargetModel(model)
-    draft = tiny_draft(model, block_size=BLOCK, mask_token_id=MASK, num_layers=2, seed=4)
+    draft = tiny_draft(model, block_size=BLOCK, mask_token_id=MASK, num_layers=2, seed=4, attn_implementation=attn)
+    if window is not None:  # the first layer slides: the training mask must cut the window too
+        draft.config.sliding_window = window
+        draft.config.layer_types = ["sliding_attention", "full_attention"]
+        draft.layers[0].self_attn.sliding_window = window
     sequence = random_sequence(60, response_start=7, seed=1)
     features = torch.randn(1, 60, len(draft.target_layer_ids) * 32, generator=torch.Generator().manual_seed(5))
     anchors = [7, 8, 19, 33, 34, 50, 58]

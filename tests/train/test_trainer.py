@@ -230,12 +230,24 @@ def test_draft_for_another_target_is_refused(tmp_path):
                 progress=False)
 
 
-def test_eager_attention_is_refused(tmp_path):
-    target, draft = target_and_draft()
-    draft.config._attn_implementation = "eager"  # would add the boolean block mask to the scores as 0/1
-    with pytest.raises(ValueError, match="not eager"):
-        Trainer(draft, target, pattern_sequences(4), OnlineFeatures(target, FEATURE_LAYERS), tmp_path / "r",
-                progress=False)
+@pytest.mark.parametrize("attn", ["eager", "sliding"])
+def test_eager_and_sliding_window_drafts_train(tmp_path, attn):
+    """Eager attention gets the block mask as additive scores; a sliding window wider than every sequence cuts
+    nothing, so both train to the same weights as the sdpa full-attention draft."""
+    trainers = [make_trainer(tmp_path, name) for name in ("sdpa", attn)]
+    draft = trainers[1].draft
+    if attn == "eager":
+        draft.config._attn_implementation = "eager"
+    else:
+        draft.config.sliding_window = 1000
+        draft.config.layer_types = ["sliding_attention"] * len(draft.layers)
+        for layer in draft.layers:
+            layer.self_attn.sliding_window = 1000
+    for trainer in trainers:
+        trainer.train()
+    expected = weights(trainers[0].draft)
+    for name, tensor in weights(trainers[1].draft).items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4)
 
 
 def test_feature_layers_beyond_the_target_are_refused():
