@@ -19,6 +19,7 @@ import random
 import re
 import shlex
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--top-k", type=int, default=0,
         help="also store the target's top-k probabilities at every response position, for --distill-weight "
         "(default: 0)")
+    add("--label-minutes", type=float, default=None,
+        help="spend at most this many minutes writing labels in this run, then train on the records written so far "
+        "(a later run continues the labelling; 0 = train on what exists) (default: no limit)")
     add("--data-batch-size", type=int, default=8, help="prompts per target batch in regeneration, labelling and "
         "feature extraction (default: 8)")
 
@@ -302,17 +306,22 @@ def stage_labels(args, work: Path, model, tokenizer, prompts) -> None:
     from flashdraft.train.labels import label_responses
     from flashdraft.train.regenerate import regenerate
 
+    deadline = None if args.label_minutes is None else time.monotonic() + 60 * args.label_minutes
     for kind in label_kinds(args):
         folder = work / f"records-{kind}"
+        time_limit = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         if kind == "regenerate":
             stats = regenerate(model, tokenizer, prompts, folder, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_k=args.top_k, batch_size=args.data_batch_size,
-                               seed=args.seed)
+                               seed=args.seed, time_limit=time_limit)
         else:
             stats = label_responses(model, tokenizer, prompts, folder, max_response_tokens=args.max_new_tokens,
-                                    top_k=args.top_k, batch_size=args.data_batch_size)
+                                    top_k=args.top_k, batch_size=args.data_batch_size, time_limit=time_limit)
         _say(f"{kind}: {stats.written} new records, {stats.already_done} already done, "
              f"{stats.tokens_per_second:.0f} tokens/s -> {folder}")
+        if stats.remaining:
+            _say(f"{kind}: --label-minutes ran out with {stats.remaining} prompts left: training on the records so "
+                 "far (run again to continue the labelling)")
 
 
 def load_sequences(args, work: Path):
@@ -380,6 +389,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     if args.distill_weight > 0 and args.top_k <= 0:
         raise ValueError("--distill-weight needs the target's top-k probabilities: add --top-k K (e.g. 8)")
+    if args.label_minutes is not None and args.label_minutes < 0:
+        raise ValueError(f"--label-minutes must be >= 0, got {args.label_minutes}")
     if args.block_size < 2 or args.draft_layers < 1:
         raise ValueError("--block-size must be at least 2 and --draft-layers at least 1")
     if args.threads:

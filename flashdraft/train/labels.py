@@ -78,6 +78,7 @@ def label_responses(
     batch_size: int = 8,
     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
     progress: bool = True,
+    time_limit: float | None = None,
 ) -> RunStats:
     """Label the existing responses of `prompts` with the target's greedy predictions (teacher forcing) and append
     the records to `output_dir`. Prompts without a response are skipped (regenerate those instead). Resumable the
@@ -133,4 +134,5 @@ def label_responses(
         description="labelling",
         records_per_shard=records_per_shard,
         progress=progress,
+        time_limit=time_limit,
     )

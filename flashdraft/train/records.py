@@ -64,6 +64,7 @@ class RunStats:
     tokens: int  # response tokens produced (generated or labelled) by this call
     prompt_tokens: int  # prompt tokens the target read to produce them
     seconds: float
+    remaining: int = 0  # prompts left undone because the time limit ran out
 
     @property
     def tokens_per_second(self) -> float:
@@ -202,11 +203,14 @@ def run_resumable(
     description: str,
     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
     progress: bool = True,
+    time_limit: float | None = None,
 ) -> RunStats:
     """Run `process_batch(batch_number, indices)` over the planned batches not yet done and append its records.
 
     A batch is skipped when all its ids are done; a batch a kill left half-written is redone for its missing ids.
     `batch_number` (the batch's place in the plan) lets a stage seed its randomness so a resumed run matches.
+    With `time_limit` (seconds), no batch starts once it has passed: the records so far are kept and a later call
+    continues (`RunStats.remaining` counts what is left).
     """
     if not ids:
         raise ValueError("no prompts to process: the prompt set is empty")
@@ -222,6 +226,9 @@ def run_resumable(
             batch = [i for i in batch if ids[i] not in writer.done_ids]
             if not batch:
                 continue
+            if time_limit is not None and time.perf_counter() - start_time >= time_limit:
+                stats.remaining = len(pending) - stats.written
+                break
             records = process_batch(batch_number, batch)
             writer.write(records)
             stats.written += len(records)

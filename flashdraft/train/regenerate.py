@@ -141,12 +141,13 @@ def regenerate(
     seed: int = 0,
     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
     progress: bool = True,
+    time_limit: float | None = None,
 ) -> RunStats:
     """Let the target answer every prompt and append the results to the record shards in `output_dir`.
 
     Resumable: prompts already in `output_dir` are skipped, so calling it again after a kill continues where it
-    stopped (with the same settings; other settings are refused). `top_k` > 0 also stores the target's top-k
-    probabilities at each response position, for distillation.
+    stopped (with the same settings; other settings are refused); `time_limit` (seconds) stops it early the same
+    way. `top_k` > 0 also stores the target's top-k probabilities at each response position, for distillation.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -198,4 +199,5 @@ def regenerate(
         description="regenerating",
         records_per_shard=records_per_shard,
         progress=progress,
+        time_limit=time_limit,
     )

@@ -4,6 +4,7 @@ forward, resumable after a kill, and the record folder guarded against mixed set
 import json
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -139,6 +140,28 @@ def test_resumed_regeneration_writes_the_same_shards_as_an_uninterrupted_run(tmp
     assert stats.already_done == 4 and stats.written == 5
     assert shard_contents(tmp_path / "resumed") == shard_contents(tmp_path / "whole")
     assert len(shard_contents(tmp_path / "whole")) == 3  # 9 records, 3 per shard
+
+
+def test_a_time_limit_stops_between_batches_and_a_later_run_continues(tmp_path, monkeypatch):
+    prompts = random_prompts(9)
+    model = tiny_target(seed=1)
+    settings = dict(max_new_tokens=4, batch_size=2, records_per_shard=3, progress=False)
+    regenerate(model, TOKENIZER, prompts, tmp_path / "whole", **settings)
+
+    real_write = records.ShardWriter.write
+
+    def slow_write(self, batch_records):  # each batch takes a second: two start within 1.5 s, the third does not
+        time.sleep(1.0)
+        real_write(self, batch_records)
+
+    monkeypatch.setattr(records.ShardWriter, "write", slow_write)
+    stats = regenerate(model, TOKENIZER, prompts, tmp_path / "limited", time_limit=1.5, **settings)
+    assert (stats.written, stats.remaining) == (4, 5)
+    monkeypatch.setattr(records.ShardWriter, "write", real_write)
+    assert regenerate(model, TOKENIZER, prompts, tmp_path / "limited", time_limit=0, **settings).written == 0
+    stats = regenerate(model, TOKENIZER, prompts, tmp_path / "limited", **settings)
+    assert (stats.already_done, stats.written, stats.remaining) == (4, 5, 0)
+    assert shard_contents(tmp_path / "limited") == shard_contents(tmp_path / "whole")
 
 
 def test_a_finished_run_does_nothing_when_called_again(tmp_path):

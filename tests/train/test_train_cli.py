@@ -10,6 +10,7 @@ import torch
 from flashdraft.cli import build_parser, main
 from flashdraft.commands.train import exact_command
 from flashdraft.draft import DFlashDraftModel, check_draft_folder
+from flashdraft.train.records import read_records
 from tiny import tiny_target, tiny_tokenizer
 from train.tiny_training import one_thread  # noqa: F401
 
@@ -97,6 +98,18 @@ def test_until_stops_after_a_stage(target_folder, tmp_path):
     assert not (tmp_path / "draft" / "config.json").exists()
 
 
+def test_label_minutes_zero_trains_on_the_records_so_far(target_folder, tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl")
+    assert main(train_args(target_folder, tmp_path, "--label-minutes", "0")) == 2  # nothing labelled yet
+    assert "the training set is empty" in capsys.readouterr().err
+    prompt_file(tmp_path / "prompts.jsonl", count=8)
+    assert main(train_args(target_folder, tmp_path, "--until", "labels")) == 0  # 8 prompts labelled
+    prompt_file(tmp_path / "prompts.jsonl", count=14)
+    assert main(train_args(target_folder, tmp_path, "--label-minutes", "0")) == 0
+    assert "ran out with 6 prompts left" in capsys.readouterr().err
+    assert len(list(read_records(tmp_path / "work" / "records-regenerate"))) == 8
+
+
 def run_failing(args, capsys):
     assert main(args) == 2
     return capsys.readouterr().err
@@ -114,6 +127,8 @@ def test_bad_input_is_reported_before_any_work(target_folder, tmp_path, capsys):
     assert "--top-k" in err
     err = run_failing(train_args(target_folder, tmp_path, "--mask-token-id", "500"), capsys)
     assert "outside the target's vocabulary" in err
+    assert "--label-minutes must be >= 0" in run_failing(train_args(target_folder, tmp_path, "--label-minutes", "-1"),
+                                                          capsys)
     (tmp_path / "blocker").write_text("a file where a folder should be")
     err = run_failing(train_args(target_folder, tmp_path) + ["-o", str(tmp_path / "blocker" / "draft")], capsys)
     assert "cannot write the draft" in err
