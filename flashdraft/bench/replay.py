@@ -102,7 +102,7 @@ def greedy_answers(
 
 def cached_greedy_answers(
     model, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: Sequence[int], batch_size: int,
-    cache_dir: Path,
+    cache_dir: Path, progress: bool = True,
 ) -> list[list[int]]:
     """`greedy_answers`, kept in `cache_dir` under a key of the target (name, shapes, dtype, device and a checksum
     of its embeddings), the prompts and the settings: comparing drafts on the same prompts writes the answers once."""
@@ -117,7 +117,7 @@ def cached_greedy_answers(
     path = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    answers = greedy_answers(model, prompts, max_new_tokens, stop_ids, batch_size)
+    answers = greedy_answers(model, prompts, max_new_tokens, stop_ids, batch_size, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
     partial.write_text(json.dumps(answers))

@@ -32,9 +32,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from ..bench.replay import ReplayText, greedy_answers, replay, replay_text
+from ..bench.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
+from ..models import cache_home
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
@@ -45,6 +46,7 @@ from .loss import DEFAULT_CHUNK, DraftVocabulary, block_loss, block_targets, def
 CHECKPOINT_DIR = "checkpoints"
 BEST_DIR = "best"
 METRICS_FILE = "metrics.jsonl"
+EVAL_BATCH = 8  # evaluation prompts per batch of target answers
 HELDOUT_SEED = -1  # the anchors of held-out sequences are drawn once, the same at every evaluation
 
 
@@ -418,13 +420,15 @@ class Trainer:
 
     def eval_texts(self) -> dict[str, list[ReplayText]]:
         """The target's greedy answers to the evaluation prompts, with its features over them: computed once, since
-        the target is frozen, so every evaluation costs draft forwards only."""
+        the target is frozen, so every evaluation costs draft forwards only (the answers are cached across runs in
+        $FLASHDRAFT_HOME/answers, like `flashdraft bench --replay`'s)."""
         if self._eval_texts is None:
             self._eval_texts = {}
             with self._autocast():
                 for name, prompts in self.eval_prompts.items():
-                    answers = greedy_answers(self.target.model, prompts, self.config.eval_max_new_tokens,
-                                             self.stop_token_ids, progress=False)
+                    answers = cached_greedy_answers(self.target.model, prompts, self.config.eval_max_new_tokens,
+                                                    self.stop_token_ids, EVAL_BATCH, cache_home() / "answers",
+                                                    progress=False)
                     self._eval_texts[name] = [replay_text(self.target, self.draft.target_layer_ids, prompt, answer)
                                               for prompt, answer in zip(prompts, answers)]
         return self._eval_texts
