@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..decoding import Proposer
 from ..target import TargetModel
@@ -82,9 +83,7 @@ def greedy_answers(
 ) -> list[list[int]]:
     """The target's greedy answer to each prompt, decoded in batches of similar length (left-padded). Batching
     can flip a near-tie now and then against one-by-one decoding; the replayed tau is the draft's on these answers."""
-    from tqdm.auto import tqdm
-
-    from ..train.regenerate import generate_batch
+    from ..train.regenerate import generate_batch  # batched decoding lives with the data stages that need it most
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
