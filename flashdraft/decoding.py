@@ -261,7 +261,9 @@ def _decode(
 
     # 1. Prefill: the prompt's KV cache, its features (the draft's first context) and the first new token.
     began = time.perf_counter()
-    logits, context = target.forward(prompt, positions[:, :prompt_length], cache, layer_ids, logits_to_keep=1)
+    logits, features = target.forward(prompt, positions[:, :prompt_length], cache, layer_ids, logits_to_keep=1)
+    # Verified features the draft has not read yet, joined once when it next drafts (none for a featureless proposer).
+    pending = [features] if features is not None else []
     anchor = _pick(logits[0], params, generator)  # [1]
     first = anchor.item()
     result.prefill_seconds = time.perf_counter() - began
@@ -278,8 +280,9 @@ def _decode(
         size = min(controller.choose() if controller else block_size, max_new_tokens - len(result.tokens))
         proposals, q = no_proposals, None
         if size > 1:
+            context = torch.cat(pending, dim=1) if len(pending) > 1 else (pending[0] if pending else None)
+            pending.clear()  # consumed: the draft's cache holds it now
             draft_logits = proposer.propose(anchor, context, start, draft_size)[: size - 1]  # [B-1, V_draft]
-            context = None  # consumed: the draft's cache holds it now
             if params.greedy:
                 proposals = draft_logits.argmax(dim=-1)
             else:
@@ -309,8 +312,7 @@ def _decode(
         #    the draft's pending context (rounds without drafting add theirs too); the bonus is the next anchor.
         target.rollback(cache, size - (num_accepted + 1))
         if features is not None:
-            verified = features[:, : num_accepted + 1]
-            context = verified if context is None else torch.cat([context, verified], dim=1)
+            pending.append(features[:, : num_accepted + 1])
         anchor = bonus.view(1)
         start += num_accepted + 1
         result.acceptance_lengths.append(num_accepted + 1)
