@@ -22,7 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding import Proposer
+from ..models import cache_home
 from ..target import TargetModel
+from .metrics import acceptance_histogram, tau
 
 
 @dataclass
@@ -101,10 +103,11 @@ def greedy_answers(
 
 def cached_greedy_answers(
     model, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: Sequence[int], batch_size: int,
-    cache_dir: Path, progress: bool = True,
+    cache_dir: Path | None = None, progress: bool = True,
 ) -> list[list[int]]:
-    """`greedy_answers`, kept in `cache_dir` under a key of the target (name, shapes, dtype, device and a checksum
-    of its embeddings), the prompts and the settings: comparing drafts on the same prompts writes the answers once."""
+    """`greedy_answers`, kept in `cache_dir` ($FLASHDRAFT_HOME/answers by default) under a key of the target (name,
+    shapes, dtype, device and a checksum of its embeddings), the prompts and the settings: comparing drafts on the
+    same prompts writes the answers once."""
     embeddings = model.get_input_embeddings().weight.detach()
     key = json.dumps({
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
@@ -113,7 +116,7 @@ def cached_greedy_answers(
         "prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens, "stop_ids": list(stop_ids),
         "batch_size": batch_size,
     })
-    path = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    path = Path(cache_dir or cache_home() / "answers") / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
     answers = greedy_answers(model, prompts, max_new_tokens, stop_ids, batch_size, progress)
@@ -136,8 +139,6 @@ class ReplaySummary:
 
 def summarize_replay(dataset: str, block_size: int, texts: Sequence[ReplayText],
                      lengths: Sequence[list[int]]) -> ReplaySummary:
-    from .metrics import acceptance_histogram, tau
-
     pooled = [length for rounds in lengths for length in rounds]
     return ReplaySummary(dataset, block_size, len(texts), sum(t.answer_length for t in texts) / max(len(texts), 1),
                          tau(pooled), acceptance_histogram(pooled))

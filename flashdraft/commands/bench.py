@@ -20,7 +20,7 @@ from flashdraft.bench.report import markdown_table, require_matplotlib, write_re
 from flashdraft.bench.runner import run_benchmark
 from flashdraft.bench.replay import cached_greedy_answers, markdown_replay_table, replay, replay_text, summarize_replay
 from flashdraft.decoding import DFlashProposer
-from flashdraft.models import DEFAULT_TARGET, cache_home, load_draft, load_target
+from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
 from flashdraft.target import TargetModel
 from flashdraft.text import encode_chat
 
@@ -138,10 +138,6 @@ def _load_datasets(args: argparse.Namespace) -> dict:
     return datasets
 
 
-def answers_dir() -> Path:
-    return cache_home() / "answers"
-
-
 def run_replay(args: argparse.Namespace) -> int:
     """`--replay`: tau per dataset and block size from the target's batched greedy answers."""
     if args.methods is not None:
@@ -163,7 +159,7 @@ def run_replay(args: argparse.Namespace) -> int:
     summaries, records = [], []
     for name, samples in datasets.items():
         prompts = [encode_chat(tokenizer, sample.messages([]), not args.no_chat_template) for sample in samples]
-        answers = cached_greedy_answers(target, prompts, args.max_new_tokens, stops, args.batch_size, answers_dir())
+        answers = cached_greedy_answers(target, prompts, args.max_new_tokens, stops, args.batch_size)
         texts = [replay_text(adapter, draft.target_layer_ids, p, a) for p, a in zip(prompts, answers)]
         for size in block_sizes or [draft.block_size]:
             lengths = [replay(proposer, text, size) for text in tqdm(texts, desc=f"{name} replay at {size}",

@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 from ..bench.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
-from ..models import cache_home
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
@@ -427,8 +426,7 @@ class Trainer:
             with self._autocast():
                 for name, prompts in self.eval_prompts.items():
                     answers = cached_greedy_answers(self.target.model, prompts, self.config.eval_max_new_tokens,
-                                                    self.stop_token_ids, EVAL_BATCH, cache_home() / "answers",
-                                                    progress=False)
+                                                    self.stop_token_ids, EVAL_BATCH, progress=False)
                     self._eval_texts[name] = [replay_text(self.target, self.draft.target_layer_ids, prompt, answer)
                                               for prompt, answer in zip(prompts, answers)]
         return self._eval_texts
