@@ -5,23 +5,13 @@ import json
 import pytest
 
 from flashdraft.cli import main
-from tiny import tiny_draft, tiny_target, tiny_tokenizer
-
-MASK = 1
+from bench.tiny_bench import save_tiny_bench_folders
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-cli")
-    target = tiny_target("llama", forbid_token=MASK)
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    tiny_draft(target, block_size=4, mask_token_id=MASK).save_pretrained(root / "draft")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text(
-        json.dumps({"prompt": "w1 w2 w3"}) + "\n" + json.dumps({"turns": ["w4 w5", "w6 w7"], "id": "two"}) + "\n"
-    )
-    return root
+    return save_tiny_bench_folders(tmp_path_factory.mktemp("bench-cli"),
+                                   [{"prompt": "w1 w2 w3"}, {"turns": ["w4 w5", "w6 w7"], "id": "two"}])
 
 
 def test_bench_command_writes_every_output(folders, capsys):

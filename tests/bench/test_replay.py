@@ -10,9 +10,8 @@ from flashdraft.bench.replay import greedy_answers, replay, replay_text
 from flashdraft.cli import main
 from flashdraft.decoding import DFlashProposer
 from flashdraft.target import TargetModel
+from bench.tiny_bench import MASK, save_tiny_bench_folders
 from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target
-
-MASK = 1
 
 
 class FeatureOracle(OracleProposer):
@@ -82,15 +81,8 @@ def test_batched_greedy_answers_match_one_by_one_decoding():
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-replay")
-    from tiny import tiny_tokenizer
-
-    target = tiny_target("llama", forbid_token=MASK)
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    tiny_draft(target, block_size=4, mask_token_id=MASK).save_pretrained(root / "draft")
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) for i in range(3)) + "\n")
-    return root
+    return save_tiny_bench_folders(tmp_path_factory.mktemp("bench-replay"),
+                                   [{"prompt": f"w{i} w{i + 1}"} for i in range(3)])
 
 
 def test_bench_replay_command(folders, capsys, tmp_path, monkeypatch):
