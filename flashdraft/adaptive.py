@@ -46,10 +46,12 @@ class VerifyCosts:
 
 
 def measure_verify_costs(
-    target: TargetModel, max_size: int, context_length: int = 128, repeats: int = 5
+    target: TargetModel, max_size: int, context_length: int = 128, repeats: int = 5, every_size: bool = False
 ) -> VerifyCosts:
-    """Time target forwards of each size up to `max_size` after a cached context (median of `repeats`)."""
-    sizes = sorted({n for n in MEASURED_SIZES if n <= max_size} | {max_size})
+    """Time target forwards of each size up to `max_size` after a cached context (median of `repeats`): the
+    sizes of `MEASURED_SIZES`, or every size from 1 with `every_size` (the full cost curve)."""
+    measured = range(1, max_size + 1) if every_size else MEASURED_SIZES
+    sizes = sorted({n for n in measured if n <= max_size} | {max_size})
     ids = torch.randint(0, target.vocab_size, (1, context_length + max_size), device=target.device)
     positions = torch.arange(context_length + max_size, device=target.device)[None]
     cache = target.new_cache()

@@ -6,26 +6,27 @@ import pytest
 import torch
 
 import flashdraft
-from tiny import ARCHITECTURES, OracleProposer, greedy_reference, tiny_draft, tiny_target
+from tiny import (
+    ARCHITECTURES,
+    OracleProposer,
+    chosen_rejections,
+    greedy_reference,
+    random_case,
+    tiny_draft,
+    tiny_target,
+)
 
 MASK = 1
 TARGETS = {arch: tiny_target(arch, seed=i, forbid_token=MASK) for i, arch in enumerate(ARCHITECTURES)}
 DRAFTS = {arch: tiny_draft(t, block_size=16, mask_token_id=MASK) for arch, t in TARGETS.items()}
 
 
-def random_case(rng: random.Random, arch: str):
-    target = TARGETS[arch]
-    prompt = [rng.randrange(2, 96) for _ in range(rng.randint(1, 64))]
-    max_new = rng.choice([0, 1, 2, rng.randint(3, 64), 64])
-    block_size = rng.randint(1, 16)
-    return target, prompt, max_new, block_size
-
-
 @pytest.mark.parametrize("case", range(120))
 def test_random_draft_matches_target(case):
     rng = random.Random(case)
     arch = ARCHITECTURES[case % 3]
-    target, prompt, max_new, block_size = random_case(rng, arch)
+    target = TARGETS[arch]
+    prompt, max_new, block_size = random_case(rng)
     result = flashdraft.generate(target, DRAFTS[arch], prompt, max_new_tokens=max_new, block_size=block_size)
     assert result.tokens == greedy_reference(target, prompt, max_new)
     assert MASK not in result.tokens
@@ -38,15 +39,15 @@ def test_oracle_with_chosen_rejections_matches_target(case):
     the acceptance arithmetic (all accepted, none accepted, rejection at each offset, budget cut-offs)."""
     rng = random.Random(1000 + case)
     arch = ARCHITECTURES[case % 3]
-    target, prompt, max_new, block_size = random_case(rng, arch)
+    target = TARGETS[arch]
+    prompt, max_new, block_size = random_case(rng)
     block_size = max(block_size, 2)
     reference = greedy_reference(target, prompt, max_new)
-    error_rate = rng.choice([0.0, 0.05, 0.3, 1.0])
-    wrong_at = {len(prompt) + i for i in range(max_new + 16) if rng.random() < error_rate}
+    wrong_at = chosen_rejections(rng, len(prompt), max_new)
     oracle = OracleProposer(len(prompt), reference, 96, wrong_at)
     result = flashdraft.generate(target, oracle, prompt, max_new_tokens=max_new, block_size=block_size)
     assert result.tokens == reference
-    if error_rate == 0.0 and max_new > 1:
+    if not wrong_at and max_new > 1:
         # A perfect proposer: every round but the last accepts the whole block.
         assert all(n == block_size for n in result.acceptance_lengths[:-1])
         assert len(result.acceptance_lengths) == -(-(max_new - 1) // block_size)

@@ -33,18 +33,18 @@ def target_and_draft():
     return target, draft
 
 
-def target_samples(target) -> Counter:
+def target_samples(target, samples: int = SAMPLES) -> Counter:
     torch.manual_seed(1234)
     out = target.generate(
-        torch.tensor([PROMPT] * SAMPLES), do_sample=True, max_new_tokens=3, min_new_tokens=3,
+        torch.tensor([PROMPT] * samples, device=target.device), do_sample=True, max_new_tokens=3, min_new_tokens=3,
         pad_token_id=0, eos_token_id=None, **SETTINGS,
     )
     return Counter(tuple(row) for row in out[:, len(PROMPT):].tolist())
 
 
-def flashdraft_samples(target, draft) -> tuple[Counter, float]:
+def flashdraft_samples(target, draft, samples: int = SAMPLES) -> tuple[Counter, float]:
     counts, lengths = Counter(), []
-    for seed in range(SAMPLES):
+    for seed in range(samples):
         # 4 new tokens at block 4: the first round drafts 2 proposals, so tokens 2 and 3 come from every
         # path (both accepted, a rejection at either, the bonus).
         result = flashdraft.generate(target, draft, PROMPT, max_new_tokens=4, block_size=4, seed=seed, **SETTINGS)
@@ -70,7 +70,7 @@ def chi_square_p_value(a: Counter, b: Counter) -> float:
 def biased_accept(proposals, q, p, generator):
     """Wrong on purpose: accepts a sampled proposal with probability p(x), as if q(x) were 1 (argmax)."""
     p_proposed = p[:-1].gather(1, proposals[:, None]).squeeze(1)
-    u = torch.rand(proposals.shape, generator=generator)
+    u = torch.rand(proposals.shape, generator=generator, device=proposals.device)
     accepted = (u <= p_proposed).cumprod(dim=0).sum()
     residual = (p[:-1] - q).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:-1])

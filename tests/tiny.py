@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 from transformers import (
     LlamaConfig,
@@ -83,7 +85,7 @@ def greedy_reference(target, prompt: list[int], max_new_tokens: int, stop_token_
     if max_new_tokens == 0:
         return []
     output = target.generate(
-        torch.tensor([prompt]),
+        torch.tensor([prompt], device=target.device),
         do_sample=False,
         max_new_tokens=max_new_tokens,
         eos_token_id=list(stop_token_ids) if stop_token_ids else None,
@@ -114,7 +116,7 @@ class OracleProposer:
 
     def propose(self, anchor, context, start, block_size):
         self.calls.append((start, block_size))
-        logits = torch.zeros(block_size - 1, self.vocab_size)
+        logits = torch.zeros(block_size - 1, self.vocab_size, device=anchor.device)
         for i in range(block_size - 1):
             position = start + 1 + i
             index = position - self.prompt_length
@@ -123,6 +125,19 @@ class OracleProposer:
                 token = (token + 1) % self.vocab_size
             logits[i, token] = 10.0
         return logits
+
+
+def random_case(rng: random.Random) -> tuple[list[int], int, int]:
+    """A random greedy case of the core tests: (prompt of 1-64 ids in 2..95, max_new_tokens, block size 1-16)."""
+    prompt = [rng.randrange(2, 96) for _ in range(rng.randint(1, 64))]
+    max_new = rng.choice([0, 1, 2, rng.randint(3, 64), 64])
+    return prompt, max_new, rng.randint(1, 16)
+
+
+def chosen_rejections(rng: random.Random, prompt_length: int, max_new: int) -> set[int]:
+    """Absolute positions where an oracle errs: none, a few, many or all, drawn at random."""
+    error_rate = rng.choice([0.0, 0.05, 0.3, 1.0])
+    return {prompt_length + i for i in range(max_new + 16) if rng.random() < error_rate}
 
 
 def tiny_tokenizer(vocab_size: int = 96) -> PreTrainedTokenizerFast:
