@@ -1,0 +1,152 @@
+"""The corpus: the target's own answers, kept compact in the repository and grown across sessions.
+
+Regeneration (`flashdraft train --until labels`) writes JSON records into a work folder outside the repository
+(about 8 bytes per token). The corpus keeps the same records at about 2 bytes per token in the repository, outside
+the Python package, so that what a session regenerated outlives the machine it ran on:
+
+    corpus/TARGET/manifest.json        target and its GGUF checksum, the regeneration settings, the command, and
+                                       per shard: file, sha256, records, tokens, response tokens, prompt sources
+    corpus/TARGET/shard-00000.npz      numpy arrays, deflate-compressed, no pickles: `tokens` (uint16 when the
+                                       vocabulary fits, else uint32) of every record's prompt + response ids, back to
+                                       back; `offsets` [n + 1]; `response_starts` [n]; `ids` and `sources` [n] (text)
+
+Only ever appended to: `export_records` adds one shard with the records the corpus lacks; `import_records` writes
+the corpus's records into a work folder, so the next regeneration run counts them as done and no prompt is
+answered twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .records import META_FILE, ShardWriter, TrainingRecord, read_meta, read_records
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+MACHINE_SETTINGS = ("model",)  # settings that name a place on one machine: not compared between machines
+
+
+def read_manifest(folder: str | Path) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return {"format": FORMAT, "shards": []}
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} has corpus format {manifest.get('format')}, this flashdraft reads {FORMAT}")
+    return manifest
+
+
+def read_corpus(folder: str | Path) -> Iterator[TrainingRecord]:
+    """Every record of the corpus, shard by shard, each shard's checksum verified first."""
+    folder = Path(folder)
+    for shard in read_manifest(folder)["shards"]:
+        path = folder / shard["file"]
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != shard["sha256"]:
+            raise ValueError(f"{path} does not match its checksum in {MANIFEST}: the corpus is damaged; restore the "
+                             "file from version control")
+        arrays = np.load(io.BytesIO(data), allow_pickle=False)
+        tokens, offsets = arrays["tokens"], arrays["offsets"]
+        for i, (record_id, source) in enumerate(zip(arrays["ids"].tolist(), arrays["sources"].tolist())):
+            yield TrainingRecord(id=record_id, source=source, input_ids=tokens[offsets[i] : offsets[i + 1]].tolist(),
+                                 response_start=int(arrays["response_starts"][i]))
+
+
+def corpus_ids(folder: str | Path) -> set[str]:
+    return {record.id for record in read_corpus(folder)}
+
+
+def _comparable(settings: dict) -> dict:
+    return {key: value for key, value in settings.items() if key not in MACHINE_SETTINGS}
+
+
+def _check_settings(corpus_settings: dict | None, settings: dict, what: str) -> None:
+    if corpus_settings is None:
+        return
+    a, b = _comparable(corpus_settings), _comparable(settings)
+    if a != b:
+        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        raise ValueError(f"{what} were made with other settings than the corpus (differences: {', '.join(changed)}): "
+                         "regenerate with the corpus's settings or start another corpus folder")
+
+
+def _write_shard(path: Path, records: Sequence[TrainingRecord], vocab_size: int) -> bytes:
+    if any(record.labels is not None or record.topk_ids is not None for record in records):
+        raise ValueError("the corpus keeps regenerated answers only (no teacher-forced labels or top-k)")
+    lengths = [len(record.input_ids) for record in records]
+    buffer = io.BytesIO()
+    np.savez_compressed(
+        buffer,
+        tokens=np.fromiter((t for r in records for t in r.input_ids), count=sum(lengths),
+                           dtype=np.uint16 if vocab_size <= 2**16 else np.uint32),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        response_starts=np.array([record.response_start for record in records], dtype=np.int32),
+        ids=np.array([record.id for record in records], dtype=str),
+        sources=np.array([record.source for record in records], dtype=str),
+    )
+    data = buffer.getvalue()
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_bytes(data)
+    partial.replace(path)
+    return data
+
+
+def export_records(records_folder: str | Path, corpus_folder: str | Path, *, target: str, command: str,
+                   target_sha256: str | None = None) -> int:
+    """Append the records of a regeneration folder that the corpus lacks, as one new shard. Returns how many."""
+    corpus = Path(corpus_folder)
+    manifest = read_manifest(corpus)
+    settings = read_meta(records_folder)
+    if settings.get("stage") != "regenerate":
+        raise ValueError(f"{records_folder} does not hold regenerated records (stage {settings.get('stage')!r})")
+    _check_settings(manifest.get("settings"), settings, f"the records in {records_folder}")
+    known = corpus_ids(corpus)
+    new = [record for record in read_records(records_folder) if record.id not in known]
+    if not new:
+        return 0
+    corpus.mkdir(parents=True, exist_ok=True)
+    name = f"shard-{len(manifest['shards']):05d}.npz"
+    data = _write_shard(corpus / name, new, settings["vocab_size"])
+    response_tokens = sum(len(r.input_ids) - r.response_start for r in new)
+    manifest["shards"].append({
+        "file": name, "sha256": hashlib.sha256(data).hexdigest(), "records": len(new),
+        "tokens": sum(len(r.input_ids) for r in new), "response_tokens": response_tokens,
+        "sources": dict(sorted(Counter(r.source for r in new).items())),
+    })
+    manifest.update(target=target, target_sha256=target_sha256, settings=_comparable(settings), command=command)
+    shards = manifest["shards"]
+    manifest["totals"] = {
+        "records": sum(s["records"] for s in shards), "response_tokens": sum(s["response_tokens"] for s in shards),
+        "bytes": sum((corpus / s["file"]).stat().st_size for s in shards),
+        "sources": dict(sorted(sum((Counter(s["sources"]) for s in shards), Counter()).items())),
+    }
+    manifest = {key: manifest[key] for key in ("format", "target", "target_sha256", "command", "settings", "totals",
+                                               "shards")}
+    partial = corpus / f"{MANIFEST}.{os.getpid()}.tmp"
+    partial.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    partial.replace(corpus / MANIFEST)
+    return len(new)
+
+
+def import_records(corpus_folder: str | Path, records_folder: str | Path, *, model: str) -> int:
+    """Write the corpus's records into a regeneration folder (made with the corpus's settings, `model` naming the
+    target's folder on this machine) so that a regeneration run there skips them. Returns how many were added."""
+    manifest = read_manifest(corpus_folder)
+    if not manifest["shards"]:
+        return 0
+    settings = dict(manifest["settings"], model=model)
+    if (Path(records_folder) / META_FILE).is_file():
+        _check_settings(manifest["settings"], read_meta(records_folder), f"the records in {records_folder}")
+        settings = read_meta(records_folder)
+    with ShardWriter(records_folder, settings) as writer:
+        new = [record for record in read_corpus(corpus_folder) if record.id not in writer.done_ids]
+        writer.write(new)
+    return len(new)

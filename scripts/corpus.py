@@ -1,0 +1,71 @@
+"""Grow the corpus of the default target's own answers (`corpus/TARGET/`, format in `flashdraft.train.corpus`).
+
+    python scripts/corpus.py grow      # import the corpus into the work folder, then regenerate in the background
+                                       # at low priority (nice 19, one thread); resumable, never answers twice
+    python scripts/corpus.py export    # append what the work folder holds beyond the corpus (then commit corpus/)
+    python scripts/corpus.py status    # records, response tokens and bytes: corpus and work folder
+
+The work folder (default `$FLASHDRAFT_HOME/corpus/TARGET`) stays outside the repository. Pause `grow` while timing
+anything (`kill -STOP`/`-CONT` on its process group); export before the session ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from flashdraft.models import REGISTRY, cache_home, prepare
+from flashdraft.train.corpus import export_records, import_records, read_manifest
+from flashdraft.train.records import META_FILE, read_records
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = "smollm2-135m-instruct"
+# The regeneration every corpus shard comes from: 10,000 decontaminated prompts of the built-in mix (code, math and
+# chat), full-length greedy answers of up to 512 tokens. Changing it means starting another corpus folder.
+REGENERATE = ["--until", "labels", "--num-prompts", "10000", "--labels", "regenerate", "--max-new-tokens", "512",
+              "--threads", "1"]
+
+
+def regenerate_command(work: Path) -> list[str]:
+    return ["flashdraft", "train", "--target", TARGET, *REGENERATE, "--work-dir", str(work), "-o", str(work / "out")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["grow", "export", "status"], help="what to do")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="regeneration work folder (default: $FLASHDRAFT_HOME/corpus/TARGET)")
+    parser.add_argument("--corpus", type=Path, default=REPO / "corpus" / TARGET, help="corpus folder")
+    args = parser.parse_args()
+    work = (args.work_dir or cache_home() / "corpus" / TARGET).expanduser()
+    records = work / "records-regenerate"
+    manifest = read_manifest(args.corpus)
+    print(f"corpus {args.corpus}: {manifest.get('totals', {}).get('records', 0)} records, "
+          f"{manifest.get('totals', {}).get('response_tokens', 0)} response tokens, "
+          f"{manifest.get('totals', {}).get('bytes', 0) / 1e6:.2f} MB")
+    if args.action == "status":
+        if (records / META_FILE).is_file():
+            done = list(read_records(records))
+            print(f"work {records}: {len(done)} records, "
+                  f"{sum(len(r.input_ids) - r.response_start for r in done)} response tokens")
+        return
+    if args.action == "export":
+        added = export_records(records, args.corpus, target=TARGET, command=" ".join(regenerate_command(work)),
+                               target_sha256=REGISTRY[TARGET].gguf_sha256)
+        print(f"exported {added} new records to {args.corpus}")
+        return
+    imported = import_records(args.corpus, records, model=str(prepare(TARGET)))
+    print(f"imported {imported} corpus records into {records}")
+    log = work / "regenerate.log"
+    environment = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    with log.open("a") as handle:
+        process = subprocess.Popen(["nice", "-n", "19", *regenerate_command(work)], stdout=handle, stderr=handle,
+                                   env=environment, start_new_session=True)
+    print(f"regenerating in the background (process group {process.pid}); log: {log}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The corpus: regenerated records kept compact in the repository, exported and imported without loss."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from flashdraft.train.corpus import MANIFEST, corpus_ids, export_records, import_records, read_corpus, read_manifest
+from flashdraft.train.records import ShardWriter, TrainingRecord, read_records, run_resumable
+
+SETTINGS = {"stage": "regenerate", "model": "/somewhere/smollm2", "num_layers": 30, "hidden_size": 576,
+            "vocab_size": 49152, "max_new_tokens": 512, "temperature": 0.0, "top_k": 0, "batch_size": 8, "seed": 0,
+            "stop_token_ids": [2]}
+
+
+def records(count: int, start: int = 0, vocab: int = 49152, seed: int = 0) -> list[TrainingRecord]:
+    rng = random.Random(seed)
+    made = []
+    for i in range(start, start + count):
+        prompt, response = rng.randint(5, 60), rng.randint(1, 300)
+        made.append(TrainingRecord(id=f"src:{i}", source=rng.choice(["sharegpt", "math", "codeio"]),
+                                   input_ids=[rng.randrange(vocab) for _ in range(prompt + response)],
+                                   response_start=prompt))
+    return made
+
+
+def write_folder(folder, items, settings=SETTINGS):
+    with ShardWriter(folder, settings) as writer:
+        writer.write(items)
+    return folder
+
+
+def test_export_then_read_gives_the_same_records(tmp_path):
+    made = records(40)
+    added = export_records(write_folder(tmp_path / "work", made), tmp_path / "corpus", target="t", command="cmd",
+                           target_sha256="abc")
+    assert added == 40
+    assert list(read_corpus(tmp_path / "corpus")) == made
+    manifest = read_manifest(tmp_path / "corpus")
+    assert manifest["target"] == "t" and manifest["target_sha256"] == "abc" and manifest["command"] == "cmd"
+    assert "model" not in manifest["settings"]  # a path on one machine
+    tokens = sum(len(r.input_ids) for r in made)
+    assert manifest["totals"]["records"] == 40
+    assert manifest["totals"]["response_tokens"] == sum(len(r.input_ids) - r.response_start for r in made)
+    assert manifest["shards"][0]["tokens"] == tokens
+    assert sum(manifest["totals"]["sources"].values()) == 40
+    # Two bytes per token and a little: even random ids (which do not compress) stay close to it.
+    assert manifest["totals"]["bytes"] < 2.2 * tokens + 2000
+
+
+def test_export_is_additive_and_never_repeats_a_record(tmp_path):
+    work, corpus = tmp_path / "work", tmp_path / "corpus"
+    write_folder(work, records(10))
+    assert export_records(work, corpus, target="t", command="c") == 10
+    assert export_records(work, corpus, target="t", command="c") == 0
+    write_folder(work, records(5, start=10))
+    assert export_records(work, corpus, target="t", command="c") == 5
+    manifest = read_manifest(corpus)
+    assert [s["records"] for s in manifest["shards"]] == [10, 5]
+    assert [s["file"] for s in manifest["shards"]] == ["shard-00000.npz", "shard-00001.npz"]
+    assert corpus_ids(corpus) == {f"src:{i}" for i in range(15)}
+
+
+def test_records_of_other_settings_are_refused(tmp_path):
+    corpus = tmp_path / "corpus"
+    export_records(write_folder(tmp_path / "a", records(3)), corpus, target="t", command="c")
+    other = dict(SETTINGS, max_new_tokens=256, model="/elsewhere")
+    with pytest.raises(ValueError, match="other settings than the corpus .differences: max_new_tokens"):
+        export_records(write_folder(tmp_path / "b", records(3, start=3), other), corpus, target="t", command="c")
+
+
+def test_only_regenerated_answers_are_kept(tmp_path):
+    labelled = records(2)
+    labelled[0].labels = labelled[0].input_ids[labelled[0].response_start :]
+    with pytest.raises(ValueError, match="regenerated answers only"):
+        export_records(write_folder(tmp_path / "w", labelled), tmp_path / "c", target="t", command="c")
+    teacher = dict(SETTINGS, stage="teacher-forced")
+    with pytest.raises(ValueError, match="does not hold regenerated records"):
+        export_records(write_folder(tmp_path / "w2", records(2), teacher), tmp_path / "c", target="t", command="c")
+
+
+def test_a_damaged_shard_is_named(tmp_path):
+    corpus = tmp_path / "corpus"
+    export_records(write_folder(tmp_path / "w", records(5)), corpus, target="t", command="c")
+    shard = corpus / "shard-00000.npz"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="shard-00000.npz does not match its checksum"):
+        list(read_corpus(corpus))
+
+
+def test_large_vocabularies_keep_32_bit_ids(tmp_path):
+    made = records(3, vocab=151936)
+    settings = dict(SETTINGS, vocab_size=151936)
+    export_records(write_folder(tmp_path / "w", made, settings), tmp_path / "c", target="t", command="c")
+    assert np.load(tmp_path / "c" / "shard-00000.npz")["tokens"].dtype == np.uint32
+    assert list(read_corpus(tmp_path / "c")) == made
+
+
+def test_imported_records_are_skipped_by_the_next_regeneration(tmp_path):
+    corpus, work = tmp_path / "corpus", tmp_path / "new-machine"
+    made = records(6)
+    export_records(write_folder(tmp_path / "w", made), corpus, target="t", command="c")
+    assert import_records(corpus, work, model="/here/smollm2") == 6
+    assert json.loads((work / "meta.json").read_text())["model"] == "/here/smollm2"
+    assert list(read_records(work)) == made
+    assert import_records(corpus, work, model="/here/smollm2") == 0  # already there
+    ids = [r.id for r in made] + ["src:100", "src:101"]
+    processed = []
+
+    def process(batch_number, batch):
+        processed.extend(ids[i] for i in batch)
+        return records(1, start=100 + len(processed) - 1)
+
+    settings = dict(SETTINGS, model="/here/smollm2")
+    run_resumable(ids, [10] * len(ids), work, settings, process, batch_size=1, bytes_per_record=10,
+                  description="regenerating", progress=False)
+    assert sorted(processed) == ["src:100", "src:101"]
+
+
+def test_import_refuses_a_work_folder_of_other_settings(tmp_path):
+    corpus = tmp_path / "corpus"
+    export_records(write_folder(tmp_path / "w", records(2)), corpus, target="t", command="c")
+    write_folder(tmp_path / "other", records(1, start=50), dict(SETTINGS, temperature=0.7))
+    with pytest.raises(ValueError, match="differences: temperature"):
+        import_records(corpus, tmp_path / "other", model="/here")
+
+
+def test_an_empty_corpus_reads_as_empty(tmp_path):
+    assert list(read_corpus(tmp_path)) == []
+    assert import_records(tmp_path, tmp_path / "work", model="/here") == 0
+    assert not (tmp_path / MANIFEST).exists()
