@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -74,14 +76,51 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"no draft is shipped for {target_name!r}: pass --draft FOLDER (a draft trained for it) or --no-draft"
         )
-    dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_target(target_name, device=args.device, dtype=dtype)
-    draft = None if args.no_draft else load_draft(args.draft, device=args.device, dtype=dtype)
-    engine = Engine.from_models(
-        model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size
-    )
-    app = create_app(engine, max_queue=args.max_queue)
-    mode = f"draft block size {engine.block_size}" if draft is not None else "no draft"
-    print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    listening = bind(args.host, args.port)
+    try:
+        dtype = getattr(torch, args.dtype)
+        model, tokenizer = load_target(target_name, device=args.device, dtype=dtype)
+        draft = None if args.no_draft else load_draft(args.draft, device=args.device, dtype=dtype)
+        engine = Engine.from_models(
+            model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size
+        )
+        app = create_app(engine, max_queue=args.max_queue)
+        mode = f"draft block size {engine.block_size}" if draft is not None else "no draft"
+        print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
+        uvicorn.Server(config).run(sockets=listening)
+    finally:
+        for sock in listening:
+            sock.close()
     return 0
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to host:port, one per address the host resolves to, as uvicorn (asyncio) binds them.
+
+    Bound before the models load (which takes a while) so that a port in use fails at once, in one line, and
+    handed to uvicorn so that nothing can take the port in between."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ValueError(
+            f"--host {host!r} does not resolve ({error.strerror}): pass an address such as 127.0.0.1 or 0.0.0.0"
+        ) from None
+    sockets = []
+    try:
+        for family, kind, protocol, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, protocol)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio: a port in TIME_WAIT is free
+            if family == socket.AF_INET6:  # as asyncio: the IPv4 address of the same host gets its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use: stop the other server or pass --port N") from None
+        raise ValueError(
+            f"cannot listen on {host} port {port} ({error.strerror}): pass another --host or --port"
+        ) from None
+    return sockets

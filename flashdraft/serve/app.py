@@ -4,7 +4,7 @@
 Routes validate a request, turn it into prompt token ids and a `Job`, queue the job (429 when the queue is full)
 and answer either with one JSON body or with server-sent events in OpenAI's chunk format, ending with
 `data: [DONE]`. Every error, ours or the framework's, leaves in OpenAI's error schema
-`{"error": {"message", "type", "param", "code"}}`.
+`{"error": {"message", "type", "param", "code"}}`, always with a code a client can branch on.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from .schemas import (
 )
 from .worker import Engine, Failed, Finished, Job, QueueFull, TextDelta, Worker
 
+# What an unknown path or method is told to use instead.
+ENDPOINTS = "GET /v1/models, POST /v1/chat/completions, POST /v1/completions and GET /health"
+
 # OpenAI's default for /v1/completions (chat defaults to the rest of the context); also used for chat when the
 # target's config does not say how long its context is.
 DEFAULT_COMPLETION_TOKENS = 16
@@ -60,6 +63,35 @@ def _error_response(error: APIError, headers: dict[str, str] | None = None) -> J
     return JSONResponse(error.body.model_dump(), status_code=error.status, headers=headers)
 
 
+def _is_json(content_type: str) -> bool:
+    media_type = content_type.split(";")[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+class JSONBodies:
+    """ASGI middleware: a POST body is read as JSON whatever its Content-Type says, so `requests.post(data=...)`,
+    `curl -d` (form-encoded) or a client that sends no header at all is answered, not refused.
+
+    Except from a browser page (a request with an `Origin` header): there a non-JSON content type is how another
+    site's page posts to this server without a CORS preflight, so it keeps FastAPI's strict reading."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = dict(scope["headers"])  # ASGI header names are lower case
+            if b"origin" not in headers and not _is_json(headers.get(b"content-type", b"").decode("latin-1")):
+                others = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+                scope = {**scope, "headers": [*others, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+def _where(path: list) -> str:
+    """A location in the body as a client writes it: `messages[0].role`."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
+
+
 def _validation_error(error: RequestValidationError) -> APIError:
     """FastAPI's list of validation errors -> one 400 naming the field and what is wrong with it."""
     problems = error.errors()
@@ -69,23 +101,43 @@ def _validation_error(error: RequestValidationError) -> APIError:
         reason = first.get("ctx", {}).get("error", "malformed JSON")
         position = f" at character {path[0]}" if path else ""
         return APIError(400, f"the request body is not valid JSON ({reason}{position})", code="invalid_json")
-    if not path:  # the body as a whole: missing, or not a JSON object
-        return APIError(
-            400, "the request body must be a JSON object (send it with Content-Type: application/json)",
-            code="invalid_body",
-        )
+    if not path:  # the body as a whole: missing, not a JSON object, or (from a browser page) not sent as JSON
+        unread = isinstance(first.get("input"), bytes)  # FastAPI passes the raw bytes of a body it did not parse
+        hint = " sent with Content-Type: application/json" if unread else ""
+        return APIError(400, f"the request body must be a JSON object{hint}", code="invalid_body")
     param = str(path[0])
     if first["type"] == "missing":
-        return APIError(400, f"missing required field `{param}`", param=param, code="missing_required_parameter")
+        return APIError(
+            400, f"missing required field `{_where(path)}`", param=param, code="missing_required_parameter"
+        )
     # A union type reports one error per alternative, each under its own tag in the location: report the field
     # where they part (the common prefix of their paths) and their distinct messages.
     same_field = [(problem, p) for problem, p in zip(problems, paths) if p[:1] == path[:1]]
     common = path
     for _, other in same_field:
         common = [part for part, _ in takewhile(lambda pair: pair[0] == pair[1], zip(common, other))]
-    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in common).lstrip(".")
     messages = dict.fromkeys(problem["msg"].removeprefix("Value error, ") for problem, _ in same_field)
-    return APIError(400, f"invalid `{where}`: {'; or '.join(messages)}", param=param, code="invalid_value")
+    return APIError(400, f"invalid `{_where(common)}`: {'; or '.join(messages)}", param=param, code="invalid_value")
+
+
+def _http_error(request: Request, error: StarletteHTTPException) -> APIError:
+    """The framework's own errors: no such path, a method the path does not take, a body it could not read."""
+    route = f"{request.method} {request.url.path}"
+    if error.status_code == 404:  # `unknown_url`: OpenAI's code for a path it does not serve
+        message = f"unknown path {route}: the endpoints are {ENDPOINTS}"
+        return APIError(404, message, type="not_found_error", code="unknown_url")
+    if error.status_code == 405:
+        allowed = (error.headers or {}).get("Allow", "another method")
+        message = f"{route} is not allowed: {request.url.path} takes {allowed}"
+        return APIError(405, message, code="method_not_allowed")
+    if error.status_code == 400:  # FastAPI could not decode the body, e.g. bytes that are not UTF-8
+        message = f"the request body is not valid JSON ({error.__cause__ or error.detail}): send UTF-8 encoded JSON"
+        return APIError(400, message, code="invalid_json")
+    return APIError(error.status_code, f"{route}: {error.detail}", code=f"http_{error.status_code}")
+
+
+def _failure(failed: Failed) -> APIError:
+    return APIError(500, failed.message, type="server_error", code=failed.code)
 
 
 class ChatFormat:
@@ -190,6 +242,7 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.worker = worker
+    app.add_middleware(JSONBodies)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -201,12 +254,11 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(error.status_code, f"{request.url.path}: {error.detail}", type=kind))
+        return _error_response(_http_error(request, error), error.headers)  # headers: Allow, for a 405
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception):
-        return _error_response(APIError(500, f"internal error: {error}", type="server_error"))
+        return _error_response(APIError(500, f"internal error: {error}", type="server_error", code="internal_error"))
 
     # ------------------------------------------------------------------------------------------ routes
 
@@ -268,9 +320,11 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
         try:
             prompt = to_ids(prompt_input)
         except ValueError as error:
-            raise APIError(400, str(error), param=param) from error
+            raise APIError(400, str(error), param=param, code="invalid_value") from error
         if not prompt:
-            raise APIError(400, f"the {param} tokenize to nothing: give at least one token", param=param)
+            raise APIError(
+                400, f"the {param} tokenize to nothing: give at least one token", param=param, code="invalid_value"
+            )
         return prompt
 
     def _token_budget(prompt_tokens: int, requested: int | None, prompt_param: str, default: int | None) -> int:
@@ -314,7 +368,7 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
         first = True
         async for event in _events(job):
             if isinstance(event, Failed):
-                yield f"data: {APIError(500, event.message, type='server_error').body.model_dump_json()}\n\n"
+                yield f"data: {_failure(event).body.model_dump_json()}\n\n"
                 break
             if isinstance(event, TextDelta) or first:  # the first chunk carries the role, even if empty
                 yield _sse(format.delta(event.text if isinstance(event, TextDelta) else "", first))
@@ -339,7 +393,7 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Failed):
-                    raise APIError(500, event.message, type="server_error")
+                    raise _failure(event)
                 else:
                     return format.response("".join(parts), event, _usage(prompt_tokens, event))
         finally:

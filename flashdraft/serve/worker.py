@@ -110,6 +110,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    code: str = "generation_failed"  # the `code` of the error the client gets
 
 
 @dataclass(eq=False)  # a job is itself: found in and removed from the queue by identity
@@ -171,7 +172,7 @@ class Worker:
             waiting, self._waiting = list(self._waiting), deque()
             self._changed.notify_all()
         for job in waiting:
-            job.push(Failed("the server is shutting down"))
+            job.push(Failed("the server is shutting down", code="shutting_down"))
         if self._thread is not None:
             self._thread.join()
 
@@ -230,7 +231,7 @@ class Worker:
                         self._count("cancelled")
                         return
                     if self._stopping:
-                        job.push(Failed("the server is shutting down"))
+                        job.push(Failed("the server is shutting down", code="shutting_down"))
                         return
                     delta, stopped = text.add(new_tokens)
                     if delta:

@@ -69,3 +69,13 @@ def test_validator_messages_lose_pydantics_prefix():
         {"type": "value_error", "loc": ("body", "stop"), "msg": "Value error, stop strings must not be empty"}
     ])
     assert _validation_error(error).body.error.message == "invalid `stop`: stop strings must not be empty"
+
+
+def test_a_missing_field_is_named_by_its_whole_path():
+    error = RequestValidationError([
+        {"type": "missing", "loc": ("body", "messages", 0, "role"), "msg": "Field required"}
+    ])
+    body = _validation_error(error).body.error
+    assert (body.message, body.param, body.code) == (
+        "missing required field `messages[0].role`", "messages", "missing_required_parameter"
+    )

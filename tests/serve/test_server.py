@@ -23,6 +23,7 @@ from tiny import tiny_draft, tiny_target, tiny_tokenizer
 MODEL = "tiny"
 MAX_QUEUE = 16
 CONTEXT = 4096
+BLOCK_SIZE = 8  # fixed, so statistics and seeded samples compare with `generate`'s (the default adapts per process)
 # Greedy continuations of the tiny target, fixed by its seed: this chat is answered in 17 tokens ending with the
 # end-of-turn token; this one runs past 2000 tokens without it.
 ENDS_ITS_TURN = "w42 w45 w48"
@@ -65,7 +66,8 @@ def raw(base: str, method: str, path: str, body: bytes | None = None, content_ty
     host, port = base.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        connection.request(method, path, body=body, headers={"Content-Type": content_type} if body else {})
+        headers = {"Content-Type": content_type} if body and content_type else {}
+        connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -78,7 +80,7 @@ def base(folders, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server-log") / "server.log"
     command = [
         sys.executable, "-m", "flashdraft.cli", "serve", "--target", str(folders[0]), "--draft", str(folders[1]),
-        "--block-size", "8",  # fixed, so statistics compare with `generate`'s (the default adapts per process)
+        "--block-size", str(BLOCK_SIZE),
         "--host", "127.0.0.1", "--port", str(port), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL,
     ]
     # One thread: the tiny model gains nothing from more, and the machine is shared.
@@ -116,7 +118,9 @@ def client(base):
 def reference(models, prompt: list[int], max_tokens: int, **sampling):
     """(text, result) of `flashdraft.generate` on the served models, as the server should answer."""
     target, tokenizer, draft, stops = models
-    result = flashdraft.generate(target, draft, prompt, max_new_tokens=max_tokens, stop_token_ids=stops, **sampling)
+    result = flashdraft.generate(
+        target, draft, prompt, max_new_tokens=max_tokens, stop_token_ids=stops, block_size=BLOCK_SIZE, **sampling
+    )
     return tokenizer.decode(result.tokens, skip_special_tokens=True), result
 
 
@@ -148,7 +152,7 @@ def test_chat_greedy_equals_generate(client, models):
     assert statistics["acceptance_lengths"] == result.acceptance_lengths
     assert statistics["rounds"] == len(result.acceptance_lengths)
     assert statistics["tau"] == pytest.approx(result.tau)
-    assert statistics["block_size"] == 8
+    assert statistics["block_size"] == BLOCK_SIZE
 
 
 def test_chat_stops_at_the_end_of_turn(client, models):
@@ -319,7 +323,8 @@ def test_several_prompts_in_one_request_are_400(client):
         ("/v1/chat/completions", b'{"model": "tiny"}', "application/json", "messages", "missing_required_parameter"),
         ("/v1/completions", b'{"max_tokens": 3}', "application/json", "prompt", "missing_required_parameter"),
         ("/v1/completions", b'["w1"]', "application/json", None, "invalid_body"),
-        ("/v1/completions", b'{"prompt": "w1"}', "text/plain", None, "invalid_body"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "w1"}]}', "text/plain", "messages",
+         "missing_required_parameter"),
     ],
 )
 def test_malformed_bodies_are_400_in_openai_schema(base, path, body, content_type, param, code):
@@ -332,6 +337,13 @@ def test_malformed_bodies_are_400_in_openai_schema(base, path, body, content_typ
 def test_unknown_route_is_404_in_openai_schema(base):
     status, answer = get(base, "/v1/engines")
     assert status == 404 and answer["error"]["type"] == "not_found_error"
+    assert answer["error"]["code"] == "unknown_url"
+
+
+def test_a_body_without_content_type_is_read_as_json(base):
+    body = json.dumps({"prompt": "w1 w2", "max_tokens": 2, "temperature": 0}).encode()
+    status, answer = raw(base, "POST", "/v1/completions", body, content_type=None)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
 
 
 # ---------------------------------------------------------------------------------------------- load

@@ -84,7 +84,7 @@ def test_queue_is_bounded(engine):
 def test_output_equals_generate_and_stops_at_end_of_turn(engine):
     prompt = engine.chat_prompt([{"role": "user", "content": "w42 w45 w48"}])  # answered in 17 tokens and <eot>
     reference = flashdraft.generate(
-        engine.target, engine.draft, prompt, max_new_tokens=40, stop_token_ids=engine.stop_token_ids
+        engine.target, engine.draft, prompt, max_new_tokens=40, stop_token_ids=engine.stop_token_ids, block_size=4
     )
 
     async def main():
@@ -149,3 +149,15 @@ def test_a_failing_job_does_not_end_the_worker(engine):
     assert isinstance(failure, Failed) and "vocabulary" in failure.message
     assert isinstance(finished, Finished) and finished.completion_tokens == 2
     assert failed == 1
+
+
+def test_jobs_still_waiting_at_shutdown_fail_with_their_own_code(engine):
+    async def main():
+        worker = Worker(engine, max_queue=2)  # not started: the job is still waiting when the server stops
+        waiting = job([5])
+        worker.submit(waiting)
+        worker.stop()
+        return await collect(waiting)
+
+    _, failure = asyncio.run(main())
+    assert failure == Failed("the server is shutting down", code="shutting_down")

@@ -1,0 +1,36 @@
+"""`flashdraft serve` refuses what cannot work before it loads anything: fast, in one line."""
+
+import socket
+
+import pytest
+
+import flashdraft.models
+from flashdraft.cli import main
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the port was checked")
+
+    monkeypatch.setattr(flashdraft.models, "load_target", load)
+    monkeypatch.setattr(flashdraft.models, "load_draft", load)
+
+
+def test_a_port_in_use_fails_before_any_model_loads(no_model_loads, capsys):
+    with socket.socket() as other_server:
+        other_server.bind(("127.0.0.1", 0))
+        other_server.listen()
+        port = other_server.getsockname()[1]
+        code = main(["serve", "--no-draft", "--host", "127.0.0.1", "--port", str(port)])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"flashdraft serve: error: port {port} on 127.0.0.1 is in use: stop the other server or pass --port N\n"
+    )
+
+
+def test_a_host_that_does_not_resolve_fails_before_any_model_loads(no_model_loads, capsys):
+    assert main(["serve", "--no-draft", "--host", "no-such-host.invalid", "--port", "8000"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("flashdraft serve: error: --host 'no-such-host.invalid' does not resolve (")
+    assert error.count("\n") == 1
