@@ -10,6 +10,9 @@ second instead of dequantizing the GGUF again.
 The conversion is atomic and safe under concurrency: it runs in a temporary folder beside the final one, under a
 file lock per model, writes a completion marker last and then renames the folder into place, so an interrupted or
 failed conversion never leaves a folder that passes as prepared.
+
+torch and transformers are imported where they are used, not at the top: the command line imports this module
+to build its parser (for `DEFAULT_TARGET`), and `flashdraft --help` should not wait seconds for torch.
 """
 
 from __future__ import annotations
@@ -21,16 +24,23 @@ import importlib.metadata
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
-import torch
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -39,6 +49,10 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 COMPLETE_MARKER = ".flashdraft-complete"
 
 _SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+
+# Seconds to wait for the hub's host before calling it unreachable. Unreachable, the hub client itself retries for
+# about 30 s before failing; a reachable host answers well within this.
+HUB_CHECK_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -160,7 +174,9 @@ def registered_model(name: str) -> RegisteredModel:
 
 
 def _did_you_mean(name: str) -> str:
-    close = difflib.get_close_matches(name, REGISTRY, n=1, cutoff=0.4)
+    # The hub id of a model the registry holds (its origin) points to that entry; else the closest registry name.
+    close = [entry.name for entry in REGISTRY.values() if entry.origin.lower() == name.lower()]
+    close = close or difflib.get_close_matches(name, REGISTRY, n=1, cutoff=0.4)
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
@@ -235,6 +251,9 @@ def _describe_source(files: list[Path]) -> str:
 
 def convert_gguf(gguf_path: Path, output_folder: Path, entry: RegisteredModel) -> None:
     """Dequantize the GGUF at `gguf_path` into a float32 safetensors transformers folder `output_folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     _check_facts(gguf_model, entry)
@@ -269,6 +288,31 @@ def _check_facts(model: PreTrainedModel, entry: RegisteredModel) -> None:
         raise ValueError(f"registry entry {entry.name!r} says {expected} but its GGUF has {wrong}: fix the registry.")
 
 
+@contextmanager
+def _transformers_bars_off():
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off, then as they were before.
+
+    A bar per load would bury flashdraft's output for a step that takes a second; flashdraft's own bars (tqdm,
+    not transformers') stay. transformers' switch also turns off huggingface_hub's bars, so those keep their
+    state here: a hub id's first download still shows its progress.
+    """
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    hub_was_disabled = are_progress_bars_disabled()
+    restore_hub = disable_progress_bars if hub_was_disabled else enable_progress_bars
+    transformers_logging.disable_progress_bar()
+    restore_hub()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
+        restore_hub()
+
+
+@_transformers_bars_off()
 def prepare(name: str) -> Path:
     """Return the converted transformers folder of registry model `name`, converting it on first use.
 
@@ -323,6 +367,31 @@ def _is_hub_id(name: str) -> bool:
     return bool(owner) and bool(repo) and "/" not in repo and not name.startswith((".", "~"))
 
 
+def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT) -> bool:
+    """Whether the Hugging Face hub's host (or the https proxy in the way) accepts a connection within `timeout`.
+
+    Only a TCP connection, no request: enough to tell a machine without network, which is all it has to tell.
+    """
+    from huggingface_hub import constants
+
+    endpoint = urllib.parse.urlsplit(urllib.request.getproxies().get("https") or constants.ENDPOINT)
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_unavailable() -> str | None:
+    """Why hub ids cannot be downloaded now, or None when the hub looks reachable."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:  # huggingface_hub's values
+        return "HF_HUB_OFFLINE is set"
+    if not hub_reachable():
+        return "no network connection to it"
+    return None
+
+
 def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = "", **kwargs):
     """`loader.from_pretrained` on a local folder or a hub id ("owner/name"), with errors saying what was tried."""
     path = Path(name_or_path).expanduser()
@@ -332,6 +401,15 @@ def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = 
         raise FileNotFoundError(
             f"{what} {name_or_path!r} is neither an existing folder nor a hub id (owner/name).{extra_help}"
         )
+    if reason := _hub_unavailable():
+        # Only the hub's local cache can help, and it answers at once (online, the client would retry for ~30 s).
+        try:
+            return loader.from_pretrained(name_or_path, local_files_only=True, **kwargs)
+        except OSError:
+            raise ValueError(
+                f"{what} {name_or_path!r} is not a local folder, and as a hub id it needs the Hugging Face hub: "
+                f"unreachable ({reason}), and not in the local hub cache.{extra_help}"
+            ) from None
     try:
         return loader.from_pretrained(name_or_path, **kwargs)
     except OSError as error:
@@ -341,26 +419,37 @@ def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = 
         ) from error
 
 
+@_transformers_bars_off()
 def load_target(
-    name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a target causal LM and its tokenizer; the model is in eval mode on `device`.
+    """Load a target causal LM and its tokenizer; the model is in eval mode on `device`, in `dtype` (None: float32).
 
     `name_or_path` is a registry name (prepared on first use, see `prepare`), a local transformers folder, or a
-    hub id passed to `from_pretrained`.
+    hub id passed to `from_pretrained` (failing at once when the hub is unreachable and has no cached copy).
     """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
     source = str(prepare(name_or_path)) if name_or_path in REGISTRY else name_or_path
-    registry_help = f" Registry models: {', '.join(REGISTRY)}.{_did_you_mean(name_or_path)}"
+    registry_help = (
+        f" Use a registry model (`flashdraft models list`: {', '.join(REGISTRY)}) or a local transformers folder."
+        f"{_did_you_mean(name_or_path)}"
+    )
     model = _from_pretrained(AutoModelForCausalLM, source, "target", extra_help=registry_help, dtype=dtype)
     tokenizer = _from_pretrained(AutoTokenizer, source, "target", extra_help=registry_help)
     return model.to(device).eval(), tokenizer
 
 
-def load_draft(path: str | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Load a DFlash draft (a `DFlashDraftModel`) in eval mode on `device`.
+@_transformers_bars_off()
+def load_draft(path: str | None, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Load a DFlash draft (a `DFlashDraftModel`) in eval mode on `device`, in `dtype` (None: float32).
 
     `path` is a draft folder or hub id; None loads the draft shipped in the package for the default target.
     """
+    import torch
+
     from flashdraft.draft import DFlashDraftModel  # imported here: loading targets must not need the draft code
 
     if path is None:
@@ -371,5 +460,6 @@ def load_draft(path: str | None, *, device: str | torch.device = "cpu", dtype: t
                 "(--draft PATH on the command line)."
             )
         path = str(shipped)
-    draft = _from_pretrained(DFlashDraftModel, path, "draft", dtype=dtype)
+    dtype = torch.float32 if dtype is None else dtype
+    draft = _from_pretrained(DFlashDraftModel, path, "draft", extra_help=" Pass a local draft folder.", dtype=dtype)
     return draft.to(device).eval()

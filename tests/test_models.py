@@ -386,6 +386,94 @@ def test_load_draft_from_a_folder_and_from_the_shipped_location(tiny, tmp_path, 
             assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
+def test_loading_hides_transformers_progress_bars_and_restores_their_state(tiny, tmp_path, capfd):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as transformers_logging
+
+    from flashdraft import DFlashDraftModel
+
+    assert transformers_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+    folder = prepare(TINY)  # converts: transformers loads the GGUF, then saves the folder
+    target, _ = load_target(str(folder))
+    err = capfd.readouterr().err
+    assert "Assembling and verifying GGUF" in err  # flashdraft's own bar stays
+    assert "Loading weights" not in err and "Writing model shards" not in err
+    DFlashDraftModel.for_target(target.config, num_layers=1, block_size=4, mask_token_id=0).save_pretrained(
+        tmp_path / "draft"
+    )
+    capfd.readouterr()  # that save is the test's own
+    load_draft(str(tmp_path / "draft"))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert transformers_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()  # a caller's choice to keep them off stays
+    try:
+        load_target(str(folder))
+        assert not transformers_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+    finally:
+        transformers_logging.enable_progress_bar()
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """A machine where the hub does not answer, whatever the network of the test machine."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "hub_reachable", lambda: False)
+
+
+def test_a_hub_id_fails_at_once_when_the_hub_is_unreachable(no_hub):
+    start = time.monotonic()
+    with pytest.raises(ValueError) as error:
+        load_target("someorg/some-model")
+    assert time.monotonic() - start < 10  # the hub client alone retries for about 30 s
+    message = str(error.value)
+    assert "target 'someorg/some-model' is not a local folder" in message and "hub: unreachable" in message
+    assert "`flashdraft models list`" in message and "local transformers folder" in message
+    assert "\n" not in message and "Did you mean" not in message
+    with pytest.raises(ValueError, match="Pass a local draft folder"):
+        load_draft("someorg/some-draft")
+
+
+def test_an_unreachable_hub_id_of_a_registry_model_suggests_its_registry_name(no_hub):
+    with pytest.raises(ValueError, match=r"Did you mean 'smollm2-135m-instruct'\?"):
+        load_target("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_hf_hub_offline_fails_without_a_connection_check(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(models, "hub_reachable", lambda: pytest.fail("checked the network with HF_HUB_OFFLINE set"))
+    with pytest.raises(ValueError, match=r"unreachable \(HF_HUB_OFFLINE is set\)"):
+        load_target("someorg/some-model")
+
+
+def test_an_unreachable_hub_still_serves_its_local_cache(no_hub):
+    calls = []
+
+    class CachedOnly:
+        @staticmethod
+        def from_pretrained(name, **kwargs):
+            calls.append((name, kwargs))
+            return "cached model" if kwargs.get("local_files_only") else pytest.fail("went to the network")
+
+    assert models._from_pretrained(CachedOnly, "someorg/cached", "target", dtype=torch.float16) == "cached model"
+    assert calls == [("someorg/cached", {"local_files_only": True, "dtype": torch.float16})]
+
+
+def test_hub_reachable_tries_a_connection_to_the_hub_host(monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+        assert models.hub_reachable(timeout=2)
+    assert not models.hub_reachable(timeout=2)  # the port is closed now
+
+
 # ---------------------------------------------------------------- command line
 
 

@@ -23,10 +23,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput
 
 import flashdraft
+from flashdraft.bench import METHOD_NAMES
 from flashdraft.draft import DFlashDraftModel
 from flashdraft.target import TargetModel
 
-METHOD_NAMES = ("ar", "flashdraft", "prompt-lookup", "assisted", "reference", "transformers-dflash")
 PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per lookup: transformers' documented example value
 REFERENCE_REQUIREMENT = "dflash==0.1.0"
 

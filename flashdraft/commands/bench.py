@@ -9,22 +9,14 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
+# Only what the parser needs is imported here: the CLI imports every command module to build its parser, so
+# torch and the modules that import it (the benchmark's own, the decoding loop) load inside `run`, and
+# `flashdraft --help` does not wait for them.
+from flashdraft.bench import METHOD_NAMES
 from flashdraft.bench.datasets import DATASETS, get_dataset
-from flashdraft.bench.methods import METHOD_NAMES, DecodeSettings, build_methods, reference_available
-from flashdraft.text import stop_token_ids
-from flashdraft.bench.metrics import summarize
-from flashdraft.bench.report import markdown_table, require_matplotlib, write_report
-from flashdraft.bench.runner import run_benchmark
-from flashdraft.bench.replay import cached_greedy_answers, markdown_replay_table, replay, replay_text, summarize_replay
-from flashdraft.decoding import DFlashProposer
-from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
-from flashdraft.target import TargetModel
-from flashdraft.text import encode_chat
+from flashdraft.models import DEFAULT_TARGET
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 DRAFT_METHODS = {"flashdraft", "reference", "transformers-dflash"}
 
 
@@ -51,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prompt-lookup, transformers-dflash, plus reference when dflash is installed and assisted with --assistant)")
     add("--block-sizes", nargs="+", type=_block_size, default=None, metavar="B",
         help="block sizes for flashdraft, each run as its own method: integers >= 2, or `auto` for the size "
-        "chosen round by round (default: the draft's)")
+        "chosen round by round, the default of `flashdraft generate` and `serve` (default: the draft's and auto; "
+        "under --replay the draft's)")
     add("--num-samples", type=int, default=10,
         help="samples per dataset, a seeded random subset; 0 for all (default: 10)")
     add("--seed", type=int, default=0, help="seed of the subsets and of sampling (default: 0)")
@@ -74,16 +67,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+def _device_and_dtype(args: argparse.Namespace):
+    """The torch device and dtype of `--device` and `--dtype`."""
+    import torch
+
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, DTYPES[args.dtype]
+    return device, getattr(torch, args.dtype)
 
 
 def _method_names(args: argparse.Namespace) -> list[str]:
+    from flashdraft.bench.methods import reference_available
+
     if args.methods is not None:
         return args.methods
     names = ["ar", "flashdraft", "prompt-lookup", "transformers-dflash"]
@@ -94,7 +92,22 @@ def _method_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _block_sizes(args: argparse.Namespace, draft) -> list[int | str] | None:
+    """`--block-sizes`, by default the draft's own and `auto`: the adaptive size is what `flashdraft generate` and
+    `serve` run by default, so a first benchmark shows the speed users get, next to the fixed size's."""
+    if args.block_sizes is not None or draft is None:
+        return args.block_sizes
+    return [draft.block_size, "auto"]
+
+
 def run(args: argparse.Namespace) -> int:
+    from flashdraft.bench.methods import DecodeSettings, build_methods
+    from flashdraft.bench.metrics import summarize
+    from flashdraft.bench.report import markdown_table, require_matplotlib, write_report
+    from flashdraft.bench.runner import run_benchmark
+    from flashdraft.models import load_draft, load_target
+    from flashdraft.text import stop_token_ids
+
     if args.num_samples < 0 or args.max_new_tokens < 1 or args.temperature < 0:
         raise ValueError("--num-samples must be >= 0, --max-new-tokens >= 1 and --temperature >= 0")
     if args.replay:
@@ -109,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.assistant is not None:
         assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype)
     methods = build_methods(
-        names, target=target, tokenizer=tokenizer, draft=draft, block_sizes=args.block_sizes,
+        names, target=target, tokenizer=tokenizer, draft=draft, block_sizes=_block_sizes(args, draft),
         assistant=assistant, assistant_tokenizer=assistant_tokenizer,
     )
     settings = DecodeSettings(args.max_new_tokens, args.temperature, stop_token_ids(target, tokenizer))
@@ -140,6 +153,15 @@ def _load_datasets(args: argparse.Namespace) -> dict:
 
 def run_replay(args: argparse.Namespace) -> int:
     """`--replay`: tau per dataset and block size from the target's batched greedy answers."""
+    from tqdm.auto import tqdm
+
+    from flashdraft.bench.replay import (cached_greedy_answers, markdown_replay_table, replay, replay_text,
+                                         summarize_replay)
+    from flashdraft.decoding import DFlashProposer
+    from flashdraft.models import load_draft, load_target
+    from flashdraft.target import TargetModel
+    from flashdraft.text import encode_chat, stop_token_ids
+
     if args.methods is not None:
         raise ValueError("--replay measures the draft alone: drop --methods (or drop --replay to compare methods)")
     if args.temperature != 0:
@@ -170,11 +192,13 @@ def run_replay(args: argparse.Namespace) -> int:
                         for sample, answer, rounds in zip(samples, answers, lengths)]
     args.output_dir.mkdir(parents=True, exist_ok=True)
     table = markdown_replay_table(summaries)
-    (args.output_dir / "replay.json").write_text(json.dumps(
+    paths = {"json": args.output_dir / "replay.json", "markdown": args.output_dir / "replay.md"}
+    paths["json"].write_text(json.dumps(
         {"command": shlex.join(sys.argv), "summaries": [asdict(s) for s in summaries], "records": records}) + "\n")
-    (args.output_dir / "replay.md").write_text(f"`{shlex.join(sys.argv)}`\n\n{table}\n")
+    paths["markdown"].write_text(f"`{shlex.join(sys.argv)}`\n\n{table}\n")
     print(table)
-    print(f"results: {args.output_dir / 'replay.json'}")
+    for kind, path in paths.items():  # as the timed run lists its outputs
+        print(f"{kind}: {path}")
     return 0
 
 

@@ -1,11 +1,19 @@
 """`flashdraft bench` end to end through the CLI, on tiny models saved to folders and a JSONL prompt file."""
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+import flashdraft
+from flashdraft.bench.methods import reference_available
 from flashdraft.cli import main
 from bench.tiny_bench import save_tiny_bench_folders
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +58,36 @@ def test_bench_command_reports_bad_input_without_a_traceback(folders, capsys):
                  "--methods", "assisted", "--output-dir", str(folders / "unused")])
     assert code == 2
     assert "pass --assistant" in capsys.readouterr().err
+
+
+def test_default_methods_include_flashdraft_at_the_adaptive_block_size(folders):
+    # `auto` is what `flashdraft generate` and `serve` run by default: a first benchmark must show it.
+    out = folders / "out-default"
+    code = main(["bench", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
+                 "--datasets", str(folders / "prompts.jsonl"), "--max-new-tokens", "4", "--output-dir", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    expected = ["ar", "flashdraft-b4", "flashdraft-auto", "prompt-lookup", "transformers-dflash-b4"]
+    assert results["settings"]["methods"] == expected + (["reference-b4"] if reference_available() else [])
+    assert all(summary["differs_from_ar"] == 0 for summary in results["summary"])
+
+
+def test_importing_the_command_imports_no_torch():
+    # The CLI imports every command module to build its parser, so `flashdraft --help` pays for what they import
+    # at the top. The package's own __init__ (the library for `import flashdraft`) is bypassed: this checks what
+    # the command module itself pulls in.
+    code = (
+        "import sys, types\n"
+        f"package = types.ModuleType('flashdraft'); package.__path__ = [{str(Path(flashdraft.__file__).parent)!r}]\n"
+        "sys.modules['flashdraft'] = package\n"
+        "import flashdraft.commands.bench\n"
+        "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
+def test_the_default_output_folder_is_ignored_by_git():
+    for path in ("bench-results/results.json", "benchmarks/bench-results/results.md"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0, path

@@ -101,7 +101,11 @@ def test_bench_replay_command(folders, capsys, tmp_path, monkeypatch):
         assert summary["tau"] == pytest.approx(sum(pooled) / len(pooled))
         # every answer's tokens after the first are covered by its rounds
         assert all(sum(r["acceptance_lengths"]) == len(r["answer"]) - 1 for r in rounds)
-    assert "| prompts | 4 | 3 |" in capsys.readouterr().out
+    assert "| prompts | 4 | 3 |" in (out / "replay.md").read_text()
+    printed = capsys.readouterr().out
+    assert "| prompts | 4 | 3 |" in printed
+    # the run ends naming both its outputs
+    assert printed.splitlines()[-2:] == [f"json: {out / 'replay.json'}", f"markdown: {out / 'replay.md'}"]
 
 
 @pytest.mark.parametrize("extra, message", [

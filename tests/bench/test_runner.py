@@ -38,7 +38,7 @@ def test_probe_counts_whole_blocks_for_every_dflash_method(tokenizer):
     draft = tiny_draft(target, block_size=4, mask_token_id=MASK)
     prompt = torch.tensor([[10, 11, 12, 13, 14]])
     settings = DecodeSettings(max_new_tokens=13, temperature=0.0, stop_token_ids=())  # 1 + 3 rounds of 4
-    expected = flashdraft.generate(target, draft, prompt, max_new_tokens=13)
+    expected = flashdraft.generate(target, draft, prompt, max_new_tokens=13, block_size=4)
     assert expected.tokens == [ALWAYS] * 13 and expected.acceptance_lengths == [4, 4, 4]
     methods = build_methods(["flashdraft", "reference", "transformers-dflash"], target=target, tokenizer=tokenizer,
                             draft=draft)
@@ -56,7 +56,7 @@ def test_probe_agrees_with_flashdraft_own_statistics(tokenizer):
     prompt = torch.tensor([list(range(20, 40))])
     settings = DecodeSettings(max_new_tokens=30, temperature=0.0, stop_token_ids=())
     tokens, _, _, lengths = measure(method, target, prompt, settings, seed=0)
-    result = flashdraft.generate(target, draft, prompt, max_new_tokens=30)
+    result = flashdraft.generate(target, draft, prompt, max_new_tokens=30, block_size=4)
     assert tokens == result.tokens
     assert lengths == result.acceptance_lengths
     assert sum(lengths) == len(tokens) - 1  # the prefill gives the first token, every round the rest
