@@ -6,11 +6,30 @@ import os
 # process computes); passive waiting costs nothing when the machine is quiet. Only effective before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .decoding import GenerationResult, TokenStream, generate, stream
-from .draft import DFlashDraftModel, default_target_layer_ids
-from .models import DEFAULT_TARGET, load_draft, load_target
-from .target import TargetModel
-from .text import encode_chat, stop_token_ids
+# The public names load on first use (PEP 562), so that `flashdraft --help` and other light uses of a submodule
+# answer without loading torch and transformers.
+_EXPORTS = {
+    "GenerationResult": "decoding", "TokenStream": "decoding", "generate": "decoding", "stream": "decoding",
+    "DFlashDraftModel": "draft", "default_target_layer_ids": "draft",
+    "DEFAULT_TARGET": "models", "load_draft": "models", "load_target": "models",
+    "TargetModel": "target",
+    "encode_chat": "text", "stop_token_ids": "text",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashdraft' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
 
 __all__ = [
     "DEFAULT_TARGET",

@@ -34,9 +34,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_device(name: str) -> None:
+    """Fail in one line, naming the devices there are, when `name` is not a usable torch device here."""
+    import torch
+
+    available = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        available.append("mps")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CommandError(f"unknown device {name!r}: devices here are {', '.join(available)}") from None
+    usable = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
+        "mps": torch.backends.mps.is_available(),
+    }.get(device.type, False)
+    if not usable:
+        raise CommandError(f"device {name!r} is not available here (this torch sees {', '.join(available)}): "
+                           "pick one of those")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "device", None):
+            check_device(args.device)
         return args.func(args) or 0
     except (CommandError, ValueError, FileNotFoundError) as error:
         # Library errors are written to name the problem and the fix; a traceback would bury that.

@@ -162,16 +162,17 @@ def stream(
     top_p: float = 1.0,
     top_k: int = 0,
     stop_token_ids: Sequence[int] | None = None,
-    block_size: int | str | None = None,
+    block_size: int | str | None = "auto",
     seed: int | None = None,
 ) -> TokenStream:
     """Speculative decoding of `target` with `draft`, yielding the tokens of each round as it finishes.
 
     Lossless: at temperature 0 the tokens are the target's greedy continuation; above it they follow the
     target's own sampling distribution (temperature, then top-k, then top-p). `block_size`: tokens verified per
-    round, the anchor included; None = the draft's own; "auto" = chosen round by round for the most tokens
-    per second, down to 1 when drafting does not pay (`flashdraft.adaptive`); 1 (or no draft) is plain
-    autoregressive decoding. `seed` makes sampling reproducible.
+    round, the anchor included; "auto" (the default, as in the CLI and the server) = chosen round by round for
+    the most tokens per second, never above the draft's own, down to 1 when drafting does not pay
+    (`flashdraft.adaptive`); None = always the draft's own; 1 (or no draft) is plain autoregressive decoding.
+    `seed` makes sampling reproducible.
     """
     target = target if isinstance(target, TargetModel) else TargetModel(target)
     params = SamplingParams(temperature, top_p, top_k)

@@ -13,8 +13,10 @@ that could still grow into one, so a stream never shows text that a later round 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 INCOMPLETE = "\ufffd"  # what decoding shows for the bytes of a character that is not complete yet
 

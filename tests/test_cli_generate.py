@@ -1,8 +1,11 @@
 """`flashdraft generate` on tiny saved models: streamed text equals the target's own greedy answer."""
 
 import pytest
+import torch
 
 from flashdraft.cli import main
+from flashdraft.commands.generate import statistics_line
+from flashdraft.decoding import GenerationResult
 from flashdraft.text import encode_chat
 from tiny import greedy_reference, tiny_draft, tiny_target, tiny_tokenizer
 
@@ -32,7 +35,32 @@ def test_generate_streams_the_target_greedy_answer(folders, capsys, extra):
     out, err = capsys.readouterr()
     assert code == 0
     assert out == expected_text(target, tokenizer, "w3 w4 w5", 24, chat="--no-chat-template" not in extra) + "\n"
-    assert "tokens | tau" in err and "tokens/s" in err
+    assert " tokens | " in err and "tokens/s" in err
+    if extra == ["--block-size", "1"]:
+        assert "no speculation (block size 1)" in err
+
+
+def test_statistics_line_says_when_speculation_was_off():
+    result = GenerationResult(tokens=list(range(40)), acceptance_lengths=[3] + [1] * 30 + [2],
+                              block_sizes=[8] + [1] * 30 + [8])
+    line = statistics_line(result, speculating=True)
+    assert "speculation off in 30 of 32 rounds" in line
+    assert "tau 2.50 in its 2 drafting rounds" in line and "does not pay on this machine" in line
+    speculated = GenerationResult(tokens=list(range(9)), acceptance_lengths=[3, 5], block_sizes=[8, 8])
+    assert "| tau 4.00 |" in statistics_line(speculated, speculating=True)
+    plain = GenerationResult(tokens=[1, 2], acceptance_lengths=[1], block_sizes=[1])
+    assert "| no speculation (block size 1) |" in statistics_line(plain, speculating=False)
+
+
+def test_verbose_prints_every_round(folders, capsys):
+    root, _, _ = folders
+    assert main(["generate", "w3 w4", "--target", str(root / "target"), "--draft", str(root / "draft"),
+                 "--block-size", "3", "--max-new-tokens", "10", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    rounds = err.split("[rounds, block size:tokens yielded: ")[1].split("]")[0].split()
+    sizes = [int(r.split(":")[0]) for r in rounds]
+    yielded = [int(r.split(":")[1]) for r in rounds]
+    assert all(size <= 3 for size in sizes) and 1 <= sum(yielded) + 1 and all(1 <= y <= 3 for y in yielded)
 
 
 def test_sampling_with_a_seed_is_reproducible(folders, capsys):
@@ -55,11 +83,22 @@ def test_bad_input_is_reported_without_a_traceback(folders, capsys):
         (["generate", "w1", *base, "--max-new-tokens", "-2"], "max_new_tokens must be an integer >= 0"),
         (["generate", "w1", "--target", str(root / "missing"), "--block-size", "1"], "neither an existing folder"),
         (["generate", "w1", "--target", str(root / "target"), "--draft", str(root / "target")], "is not a DFlash draft"),
+        (["generate", "w1", *base, "--block-size", "0"], "--block-size must be at least 1"),
+        (["generate", "w1", *base, "--device", "nosuch"], "unknown device 'nosuch': devices here are cpu"),
     ]
     for argv, message in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_an_unavailable_device_is_one_line(folders, capsys):
+    root, _, _ = folders
+    assert main(["generate", "w1", "--target", str(root / "target"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("flashdraft generate: error: device 'cuda' is not available here (this torch sees cpu): "
+                           "pick one of those")
 
 
 def test_help_is_there_for_every_option(capsys):
@@ -69,3 +108,16 @@ def test_help_is_there_for_every_option(capsys):
     for option in ("--target", "--draft", "--temperature", "--top-p", "--top-k", "--max-new-tokens",
                    "--block-size", "--seed"):
         assert option in out
+
+
+def test_help_and_argument_errors_load_neither_torch_nor_transformers():
+    """`flashdraft --help` and argument errors answer at once: the parser is built from light modules only."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashdraft.cli as cli\n"
+            "try:\n    cli.main(['generate', '--block-size', 'x', 'hi'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert process.stdout.strip() == "[]", process.stderr
+    assert "invalid int value: 'x'" in process.stderr

@@ -149,3 +149,15 @@ def test_accepts_tensor_prompts_of_either_shape():
     reference = greedy_reference(target, [5, 6, 7], 5)
     for prompt in (torch.tensor([5, 6, 7]), torch.tensor([[5, 6, 7]])):
         assert flashdraft.generate(target, DRAFTS["llama"], prompt, max_new_tokens=5).tokens == reference
+
+
+def test_the_default_block_size_is_auto_as_in_the_cli_and_the_server():
+    target, prompt = TARGETS["qwen2"], [4, 5, 6]
+    default = flashdraft.generate(target, DRAFTS["qwen2"], prompt, max_new_tokens=40)
+    auto = flashdraft.generate(target, DRAFTS["qwen2"], prompt, max_new_tokens=40, block_size="auto")
+    fixed = flashdraft.generate(target, DRAFTS["qwen2"], prompt, max_new_tokens=40, block_size=None)
+    assert default.tokens == auto.tokens == fixed.tokens == greedy_reference(target, prompt, 40)
+    assert default.block_sizes == auto.block_sizes
+    assert fixed.block_sizes[:20] == [16] * 20  # None: the draft's own size (until the budget shortens it)
+    # The adaptive choice turns a random draft's speculation off after the first full-size round.
+    assert default.block_sizes[0] == 16 and 1 in default.block_sizes

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -34,16 +32,23 @@ def register(subparsers) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model weights' dtype (default: float32; use bfloat16 on GPUs)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print every round's block size and the tokens it yielded")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from flashdraft.decoding import stream
     from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
     from flashdraft.text import IncrementalText, encode_chat, stop_token_ids
 
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the text to answer")
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError(f"--block-size must be at least 1 (1 = no speculation), got {args.block_size}; leave it "
+                         "out to choose it round by round")
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=args.device, dtype=dtype)
     # Plain autoregressive decoding needs no draft; anything else uses the given or the shipped one.
@@ -65,9 +70,25 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     sys.stdout.write(text.finish() + "\n")
     result = tokens.result
-    print(
-        f"[{len(result.tokens)} tokens | tau {result.tau:.2f} | {result.tokens_per_second:.1f} tokens/s | "
-        f"first token {result.time_to_first_token * 1000:.0f} ms | stop: {result.stop_reason}]",
-        file=sys.stderr,
-    )
+    if args.verbose:
+        rounds = " ".join(f"{size}:{length}" for size, length in zip(result.block_sizes, result.acceptance_lengths))
+        print(f"[rounds, block size:tokens yielded: {rounds}]", file=sys.stderr)
+    print(statistics_line(result, speculating=draft is not None and args.block_size != 1), file=sys.stderr)
     return 0
+
+
+def statistics_line(result, speculating: bool) -> str:
+    """The line after the answer. When the adaptive block size kept speculation off, it says so and why, rather
+    than showing a tau of 1 that reads as a broken draft."""
+    drafted = [length for size, length in zip(result.block_sizes, result.acceptance_lengths) if size > 1]
+    rounds = len(result.block_sizes)
+    if not speculating:
+        acceptance = "no speculation (block size 1)"
+    elif rounds and len(drafted) < rounds / 2:
+        drafted_tau = f"tau {sum(drafted) / len(drafted):.2f}" if drafted else "no drafting round"
+        acceptance = (f"speculation off in {rounds - len(drafted)} of {rounds} rounds: the draft's acceptance "
+                      f"({drafted_tau} in its {len(drafted)} drafting rounds) does not pay on this machine")
+    else:
+        acceptance = f"tau {result.tau:.2f}"
+    return (f"[{len(result.tokens)} tokens | {acceptance} | {result.tokens_per_second:.1f} tokens/s | "
+            f"first token {result.time_to_first_token * 1000:.0f} ms | stop: {result.stop_reason}]")

@@ -23,8 +23,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 STAGES = ("prompts", "labels", "features", "train")
 LABEL_KINDS = ("regenerate", "teacher-forced")
 HELDOUT_SET = "heldout"
@@ -371,6 +369,8 @@ def eval_prompt_sets(args, tokenizer, heldout) -> dict[str, list[list[int]]]:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
     from flashdraft.draft import DFlashDraftModel
     from flashdraft.models import cache_home, load_target
     from flashdraft.text import stop_token_ids

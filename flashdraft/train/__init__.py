@@ -10,20 +10,42 @@ Data stages, each cached on disk and resumable:
     records.py        the on-disk training records both write and the trainer reads
 """
 
-from .decontaminate import (
-    EvalIndex,
-    EvalSet,
-    Overlap,
-    check_decontaminated,
-    find_overlaps,
-    load_eval_sets,
-    remove_overlaps,
-)
-from .labels import label_responses
-from .prompts import Prompt, PromptFile, mix_prompts, read_prompt_file, write_prompt_file
-from .records import RunStats, TrainingRecord, read_meta, read_records
-from .regenerate import regenerate
-from .sources import DEFAULT_PROPORTIONS, SOURCES, load_source, load_sources
+# The public names load on first use (PEP 562): the command line reads the source lists without loading torch.
+_EXPORTS = {
+    "EvalIndex": "decontaminate",
+    "EvalSet": "decontaminate",
+    "Overlap": "decontaminate",
+    "check_decontaminated": "decontaminate",
+    "find_overlaps": "decontaminate",
+    "load_eval_sets": "decontaminate",
+    "remove_overlaps": "decontaminate",
+    "label_responses": "labels",
+    "Prompt": "prompts",
+    "PromptFile": "prompts",
+    "mix_prompts": "prompts",
+    "read_prompt_file": "prompts",
+    "write_prompt_file": "prompts",
+    "RunStats": "records",
+    "TrainingRecord": "records",
+    "read_meta": "records",
+    "read_records": "records",
+    "regenerate": "regenerate",
+    "DEFAULT_PROPORTIONS": "sources",
+    "SOURCES": "sources",
+    "load_source": "sources",
+    "load_sources": "sources",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashdraft.train' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_PROPORTIONS",
