@@ -32,6 +32,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+# The largest block a draft may declare: one round drafts and verifies this many tokens, so a config with a block
+# of 100,000 would allocate and compute for minutes before its first token.
+MAX_BLOCK_SIZE = 256
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -330,6 +333,9 @@ class DFlashDraftModel(PreTrainedModel):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         # Non-persistent buffers are not loaded, and transformers builds them on an empty device: refill.
         model.set_draft_vocab(model.config.dflash_config.get("draft_vocab_ids"))
+        from .models import check_finite  # a function of model loading; models.py imports this module lazily
+
+        check_finite(model, f"draft {pretrained_model_name_or_path}", "restore the draft folder or train it again")
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
@@ -357,8 +363,11 @@ def validate_draft_config(config: PretrainedConfig) -> None:
     for key in ("block_size", "num_target_layers"):
         if not isinstance(getattr(config, key, None), int):
             raise ValueError(f"not a DFlash draft config: missing integer field `{key}`")
-    if config.block_size < 1:
-        raise ValueError(f"draft block_size must be >= 1, got {config.block_size}")
+    if not 1 <= config.block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"draft block_size must be in 1..{MAX_BLOCK_SIZE}, got {config.block_size}: every round drafts and "
+            "verifies that many tokens (published drafts use 8 or 16)"
+        )
     if not dflash["target_layer_ids"]:
         raise ValueError("draft dflash_config.target_layer_ids is empty: the draft must read at least one target layer")
 
@@ -395,7 +404,13 @@ def check_draft_folder(folder: Path) -> None:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} is not a draft folder: it has no config.json")
-    raw = json.loads(config_file.read_text())
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_file} is damaged (not valid JSON: {error}): restore the draft folder or train "
+                         "it again") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} is damaged (not a JSON object): restore the draft folder or train it again")
     if DRAFT_ARCHITECTURE not in (raw.get("architectures") or []):
         raise ValueError(
             f"{config_file} is not a DFlash draft: architectures is {raw.get('architectures')}, "
@@ -408,17 +423,34 @@ def check_draft_folder(folder: Path) -> None:
         raise FileNotFoundError(f"{folder} has no *.safetensors weights")
     found: dict[str, tuple[int, ...]] = {}
     for weight_file in weight_files:
-        with safe_open(os.fspath(weight_file), framework="pt") as f:
-            for name in f.keys():
-                found[name] = tuple(f.get_slice(name).get_shape())
+        found |= read_weight_shapes(weight_file, "restore the draft folder or train it again")
     expected = expected_weight_shapes(config)
     missing = sorted(set(expected) - set(found))
     if missing:
         raise ValueError(f"draft checkpoint {folder} is missing weights: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise ValueError(
+            f"draft checkpoint {folder} holds weights its config does not describe: {', '.join(extra[:8])}"
+            + (f" and {len(extra) - 8} more" if len(extra) > 8 else "")
+            + f" (the config says {config.num_hidden_layers} layers): the config and the weights do not belong together"
+        )
     for name, shape in expected.items():
         if found[name] != shape:
             raise ValueError(
                 f"draft checkpoint {folder}: weight {name} has shape {list(found[name])}, "
                 f"the config implies {list(shape)}"
             )
+
+
+def read_weight_shapes(weight_file: Path, remedy: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a safetensors file, read from its header; a damaged file is named with `remedy`."""
+    size = weight_file.stat().st_size
+    try:
+        with safe_open(os.fspath(weight_file), framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as error:  # safetensors raises its own error type for a bad header
+        raise ValueError(f"{weight_file} is damaged ({size} bytes, unreadable: {error}): {remedy}") from None
+    return shapes
+

@@ -47,6 +47,9 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # Written last inside a converted folder, holding the sha256 of the GGUF it came from: a folder without it (or
 # with another checksum) is not a prepared model.
 COMPLETE_MARKER = ".flashdraft-complete"
+# Size and modification time of each file of a prepared folder when its checksum last matched: a file is hashed
+# again only after it changed.
+VERIFIED_CACHE = ".flashdraft-verified"
 
 _SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
 
@@ -195,7 +198,75 @@ def _is_complete(folder: Path, entry: RegisteredModel) -> bool:
     marker = folder / COMPLETE_MARKER
     if not marker.is_file():
         return False
-    return json.loads(marker.read_text()).get("gguf_sha256") == entry.gguf_sha256
+    try:
+        return json.loads(marker.read_text()).get("gguf_sha256") == entry.gguf_sha256
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):  # a damaged marker: prepare again
+        return False
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _record_checksums(folder: Path) -> dict[str, dict]:
+    """sha256 and size of every file of a prepared folder (the marker and the verification cache aside)."""
+    skip = {COMPLETE_MARKER, VERIFIED_CACHE}
+    return {path.name: {"sha256": _file_sha256(path), "size": path.stat().st_size}
+            for path in sorted(folder.iterdir()) if path.is_file() and path.name not in skip}
+
+
+def verify_prepared(folder: Path, name: str) -> None:
+    """Check every file of a prepared folder against the checksums recorded when it was converted.
+
+    A file is hashed again only when its size or modification time changed since it last matched (remembered in
+    `VERIFIED_CACHE`), so a load costs a few `stat` calls. A folder prepared before checksums were recorded gets
+    them now, once.
+    """
+    marker_path = folder / COMPLETE_MARKER
+    marker = json.loads(marker_path.read_text())
+    if "files" not in marker:
+        marker["files"] = _record_checksums(folder)
+        _write_json_atomic(marker_path, marker)
+    cache_path = folder / VERIFIED_CACHE
+    try:
+        verified = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        verified = {}
+    changed = False
+    for file_name, recorded in marker["files"].items():
+        path = folder / file_name
+        stat = path.stat() if path.is_file() else None
+        stamp = [stat.st_size, stat.st_mtime_ns] if stat else None
+        if stamp is not None and verified.get(file_name) == stamp:
+            continue
+        if stat is None or stat.st_size != recorded["size"] or _file_sha256(path) != recorded["sha256"]:
+            problem = "is missing" if stat is None else "does not match the checksum recorded when it was prepared"
+            raise ValueError(
+                f"the prepared model folder {folder} is damaged: {file_name} {problem}. Delete the folder "
+                f"(rm -r {folder}) and run `flashdraft models prepare {name}` again"
+            )
+        verified[file_name], changed = stamp, True
+    if changed:
+        _write_json_atomic(cache_path, verified)
+
+
+def check_finite(model, where: str, remedy: str) -> None:
+    """Refuse weights holding NaN or infinity: such a model decodes garbage without any error of its own."""
+    import torch
+
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{where}: weight {name} holds NaN or infinite values: {remedy}")
+
+
+def _write_json_atomic(path: Path, value) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(value) + "\n")
+    partial.replace(path)
 
 
 def locate_files(entry: RegisteredModel) -> list[Path]:
@@ -323,6 +394,7 @@ def prepare(name: str) -> Path:
     models_dir = cache_home() / "models"
     final = models_dir / name
     if _is_complete(final, entry):
+        verify_prepared(final, name)
         return final
     files = locate_files(entry)  # before taking the lock: a missing package fails at once
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -352,7 +424,8 @@ def prepare(name: str) -> Path:
                 )
             convert_gguf(gguf_path, work, entry)
             gguf_path.unlink()
-            (work / COMPLETE_MARKER).write_text(json.dumps({"name": name, "gguf_sha256": digest}) + "\n")
+            marker = {"name": name, "gguf_sha256": digest, "files": _record_checksums(work)}
+            (work / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
             work.rename(final)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -396,7 +469,15 @@ def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = 
     """`loader.from_pretrained` on a local folder or a hub id ("owner/name"), with errors saying what was tried."""
     path = Path(name_or_path).expanduser()
     if path.exists():
-        return loader.from_pretrained(str(path), **kwargs)
+        try:
+            return loader.from_pretrained(str(path), **kwargs)
+        except Exception as error:  # noqa: BLE001 - safetensors and JSON errors alike mean a damaged folder
+            if isinstance(error, (ValueError, FileNotFoundError)) and str(path) in str(error):
+                raise  # flashdraft's own checks (a draft folder's), already naming the file
+            raise ValueError(
+                f"{what} folder {path} could not be read ({type(error).__name__}: {str(error).splitlines()[0]}): "
+                "a file in it is damaged or incomplete; restore or re-create the folder"
+            ) from None
     if not _is_hub_id(name_or_path):
         raise FileNotFoundError(
             f"{what} {name_or_path!r} is neither an existing folder nor a hub id (owner/name).{extra_help}"
@@ -438,6 +519,9 @@ def load_target(
         f"{_did_you_mean(name_or_path)}"
     )
     model = _from_pretrained(AutoModelForCausalLM, source, "target", extra_help=registry_help, dtype=dtype)
+    remedy = (f"delete the folder and run `flashdraft models prepare {name_or_path}` again" if name_or_path in REGISTRY
+              else "restore the target's folder")
+    check_finite(model, f"target {source}", remedy)
     tokenizer = _from_pretrained(AutoTokenizer, source, "target", extra_help=registry_help)
     return model.to(device).eval(), tokenizer
 

@@ -216,7 +216,14 @@ def test_prepare_converts_to_a_folder_that_reproduces_the_gguf_model(tiny, fake_
             "tokenizer_config.json",
         ]
     )
-    assert json.loads((folder / COMPLETE_MARKER).read_text()) == {"name": TINY, "gguf_sha256": entry.gguf_sha256}
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())
+    assert {key: marker[key] for key in ("name", "gguf_sha256")} == {"name": TINY, "gguf_sha256": entry.gguf_sha256}
+    # Every file's checksum, recorded at conversion, against which every later load is verified.
+    assert marker["files"]["model.safetensors"] == {
+        "sha256": hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(),
+        "size": (folder / "model.safetensors").stat().st_size,
+    }
+    assert sorted(marker["files"]) == sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
 
     model, tokenizer = load_target(TINY)

@@ -1,0 +1,127 @@
+"""Damaged model files are named, never decoded: drafts, local targets and prepared registry folders."""
+
+import json
+
+import pytest
+import torch
+
+from flashdraft.cli import main
+from flashdraft.draft import DFlashDraftModel
+from flashdraft.models import COMPLETE_MARKER, REGISTRY, load_draft, load_target, prepare, verify_prepared
+from tiny import tiny_draft, tiny_target, tiny_tokenizer
+
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def draft_folder(tmp_path):
+    target = tiny_target("qwen3")
+    folder = tmp_path / "draft"
+    tiny_draft(target, num_layers=2, block_size=4).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def target_folder(tmp_path):
+    folder = tmp_path / "target"
+    tiny_target("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("cut", [0, 7, 0.5])
+def test_a_truncated_draft_file_is_named(draft_folder, cut):
+    weights = draft_folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(cut * len(data)) if isinstance(cut, float) else cut])
+    with pytest.raises(ValueError, match=r"model.safetensors is damaged .* restore the draft folder or train it"):
+        load_draft(str(draft_folder))
+
+
+def test_a_truncated_draft_config_is_named(draft_folder):
+    config = draft_folder / "config.json"
+    config.write_text(config.read_text()[:40])
+    with pytest.raises(ValueError, match=r"config.json is damaged \(not valid JSON"):
+        load_draft(str(draft_folder))
+
+
+def test_weights_beyond_the_config_are_an_error(draft_folder):
+    config = json.loads((draft_folder / "config.json").read_text())
+    config["num_hidden_layers"], config["layer_types"] = 1, config["layer_types"][:1]
+    (draft_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"holds weights its config does not describe: layers\.1\..* says 1 layers"):
+        load_draft(str(draft_folder))
+
+
+def test_non_finite_draft_weights_are_refused(tmp_path):
+    draft = tiny_draft(tiny_target("qwen3"), num_layers=1, block_size=4)
+    with torch.no_grad():
+        draft.fc.weight[0, 0] = float("nan")
+    draft.save_pretrained(tmp_path / "nan")
+    with pytest.raises(ValueError, match=r"weight fc.weight holds NaN or infinite values"):
+        DFlashDraftModel.from_pretrained(tmp_path / "nan")
+
+
+def test_a_huge_block_size_is_refused_before_anything_runs(draft_folder):
+    config = json.loads((draft_folder / "config.json").read_text())
+    config["block_size"] = 100_000
+    (draft_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"block_size must be in 1\.\.256, got 100000"):
+        load_draft(str(draft_folder))
+
+
+def test_a_damaged_local_target_is_named(target_folder):
+    weights = target_folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"target folder .* could not be read \(SafetensorError"):
+        load_target(str(target_folder))
+
+
+def test_non_finite_target_weights_are_refused(tmp_path):
+    model = tiny_target("qwen2")
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("inf")
+    model.save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    with pytest.raises(ValueError, match=r"model.norm.weight holds NaN or infinite values: restore the target"):
+        load_target(str(tmp_path / "t"))
+
+
+def fake_prepared(home, monkeypatch):
+    """A prepared-looking registry folder (tiny weights) under a private FLASHDRAFT_HOME, recorded as converted."""
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(home))
+    folder = home / "models" / NAME
+    tiny_target("llama").save_pretrained(folder)
+    marker = {"name": NAME, "gguf_sha256": REGISTRY[NAME].gguf_sha256}
+    (folder / COMPLETE_MARKER).write_text(json.dumps(marker))
+    verify_prepared(folder, NAME)  # a folder from before checksums: they are recorded once
+    assert "files" in json.loads((folder / COMPLETE_MARKER).read_text())
+    return folder
+
+
+def test_a_prepared_folder_is_verified_and_hashed_again_only_after_a_change(tmp_path, monkeypatch):
+    import flashdraft.models as models
+
+    folder = fake_prepared(tmp_path, monkeypatch)
+    hashed = []
+    real = models._file_sha256
+    monkeypatch.setattr(models, "_file_sha256", lambda path: hashed.append(path.name) or real(path))
+    assert prepare(NAME) == folder
+    assert prepare(NAME) == folder
+    assert hashed == []  # unchanged since the last match: stat only
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5000:-4000] = bytes(1000)  # same size, other bytes, a newer modification time
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model folder .* is damaged: model.safetensors does not match the checksum"):
+        prepare(NAME)
+    assert hashed == ["model.safetensors"]
+
+
+def test_a_corrupted_prepared_target_stops_generate_in_one_line(tmp_path, monkeypatch, capsys):
+    folder = fake_prepared(tmp_path, monkeypatch)
+    (folder / "config.json").write_text("{}")
+    assert main(["generate", "hi", "--block-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"config.json does not match the checksum recorded when it was prepared. Delete the folder" in err
+    assert f"flashdraft models prepare {NAME}" in err and "Traceback" not in err
