@@ -6,6 +6,8 @@ import os
 # process computes); passive waiting costs nothing when the machine is quiet. Only effective before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from .lazy import lazy_exports  # noqa: E402
+
 # The public names load on first use (PEP 562), so that `flashdraft --help` and other light uses of a submodule
 # answer without loading torch and transformers.
 _EXPORTS = {
@@ -17,19 +19,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'flashdraft' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "DEFAULT_TARGET",

@@ -10,6 +10,8 @@ Data stages, each cached on disk and resumable:
     records.py        the on-disk training records both write and the trainer reads
 """
 
+from ..lazy import lazy_exports
+
 # The public names load on first use (PEP 562): the command line reads the source lists without loading torch.
 _EXPORTS = {
     "EvalIndex": "decontaminate",
@@ -37,15 +39,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'flashdraft.train' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "DEFAULT_PROPORTIONS",
