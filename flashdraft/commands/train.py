@@ -21,9 +21,13 @@ import shlex
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 STAGES = ("prompts", "labels", "features", "train")
+PROMPTS_FILE = "prompts.jsonl"
+PROMPT_SETTINGS = "prompts.json"  # a work folder holds the data of one prompt set: the one these settings make
+PROMPTS_LOCK = ".prompts.lock"
 LABEL_KINDS = ("regenerate", "teacher-forced")
 HELDOUT_SET = "heldout"
 
@@ -236,11 +240,9 @@ def _say(message: str) -> None:
 # ---------------------------------------------------------------------- stages
 
 
-def stage_prompts(args, work: Path):
-    """The prompt set, mixed and checked once, cached as prompts.jsonl with the settings that made it."""
-    from flashdraft.train.decontaminate import EvalIndex, check_decontaminated, load_eval_sets, remove_overlaps
-    from flashdraft.train.prompts import mix_prompts, read_prompt_file, truncate_prompt, write_prompt_file
-    from flashdraft.train.sources import SOURCES, load_sources
+def prompt_settings(args) -> dict:
+    """What makes the prompt set: the prompt files (by content), the built-in mix and the checks."""
+    from flashdraft.train.sources import SOURCES
 
     sources = args.sources if args.sources is not None else ("none" if args.prompts else ",".join(SOURCES))
     names = [] if sources.strip() == "none" else [s.strip() for s in sources.split(",") if s.strip()]
@@ -259,9 +261,72 @@ def stage_prompts(args, work: Path):
         "seed": args.seed,
         "eval_check": not args.skip_eval_check,
     }
-    path, settings_path = work / "prompts.jsonl", work / "prompts.json"
-    if path.is_file() and settings_path.is_file() and json.loads(settings_path.read_text()) == settings:
+    return json.loads(json.dumps(settings))  # as it reads back from prompts.json
+
+
+def _stored_settings(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_work_folder(work: Path, settings: dict) -> None:
+    """Refuse, before anything is written, a work folder that holds the data of another prompt set: its records
+    and features belong to those prompts, so a run that wrote there would mix two data sets (and leave the other
+    run unable to resume)."""
+    stored = _stored_settings(work / PROMPT_SETTINGS)
+    if stored is not None and stored != settings:
+        changed = sorted(k for k in stored.keys() | settings.keys() if stored.get(k) != settings.get(k))
+        raise ValueError(
+            f"the work folder {work} holds the data of other prompt settings (differences: {', '.join(changed)}; "
+            f"see its {PROMPT_SETTINGS}): give this run its own --work-dir, or run it with those settings"
+        )
+
+
+def check_record_folders(args, work: Path, model, tokenizer) -> None:
+    """Refuse, before anything is written, record folders made with other label settings."""
+    from flashdraft.train.labels import label_settings
+    from flashdraft.train.records import settings_differences
+    from flashdraft.train.regenerate import regenerate_settings
+
+    for kind in label_kinds(args):
+        if kind == "regenerate":
+            settings = regenerate_settings(model, tokenizer, max_new_tokens=args.max_new_tokens,
+                                           temperature=args.temperature, top_k=args.top_k,
+                                           batch_size=args.data_batch_size, seed=args.seed)
+        else:
+            settings = label_settings(model, tokenizer, max_response_tokens=args.max_new_tokens, top_k=args.top_k,
+                                      batch_size=args.data_batch_size)
+        changed = settings_differences(work / f"records-{kind}", settings)
+        if changed:
+            raise ValueError(
+                f"{work / f'records-{kind}'} holds records made with other settings (differences: "
+                f"{', '.join(changed)}; see its meta.json): give this run its own --work-dir, or run it with those "
+                "settings"
+            )
+
+
+def stage_prompts(args, work: Path, settings: dict):
+    """The prompt set, mixed and checked once, cached as prompts.jsonl with the settings that made it (written
+    last: it marks the stage done). One run at a time builds it (a lock file)."""
+    from flashdraft.train.prompts import read_prompt_file
+    from flashdraft.train.records import exclusive
+
+    path, settings_path = work / PROMPTS_FILE, work / PROMPT_SETTINGS
+    if _stored_settings(settings_path) == settings:
         return read_prompt_file(path).prompts
+    with exclusive(work / PROMPTS_LOCK, f"another run is preparing the prompts in {work}: wait for it to finish"):
+        check_work_folder(work, settings)  # again: another run may have written its prompts since the first check
+        if _stored_settings(settings_path) == settings:
+            return read_prompt_file(path).prompts
+        return _make_prompts(args, work, settings)
+
+
+def _make_prompts(args, work: Path, settings: dict):
+    from flashdraft.train.decontaminate import EvalIndex, check_decontaminated, load_eval_sets, remove_overlaps
+    from flashdraft.train.prompts import mix_prompts, read_prompt_file, truncate_prompt, write_prompt_file
+    from flashdraft.train.sources import load_sources
+
+    names = settings["sources"]
+    files = [path.expanduser().resolve() for path in args.prompts]
     index = None if args.skip_eval_check else EvalIndex(load_eval_sets())
     prompts = []
     for file in files:
@@ -288,8 +353,11 @@ def stage_prompts(args, work: Path):
         raise ValueError(f"prompt ids repeat across the prompt files: {repeated[:5]}: give each prompt a unique id")
     if not prompts:
         raise ValueError("the prompt set is empty: the prompt files hold no valid prompt")
+    path, settings_path = work / PROMPTS_FILE, work / PROMPT_SETTINGS
     write_prompt_file(prompts, path)
-    settings_path.write_text(json.dumps(settings, indent=2) + "\n")
+    temporary = settings_path.with_name(settings_path.name + ".tmp")
+    temporary.write_text(json.dumps(settings, indent=2) + "\n")
+    temporary.replace(settings_path)
     counts = Counter(p.source for p in prompts)
     _say(f"prompts: {len(prompts)} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) -> {path}")
     return prompts
@@ -322,17 +390,34 @@ def stage_labels(args, work: Path, model, tokenizer, prompts) -> None:
                  "far (run again to continue the labelling)")
 
 
-def load_sequences(args, work: Path):
-    """Every record of the label stages as training sequences (ids prefixed by their kind), split into training
-    and held-out sequences by a seeded draw."""
+def load_sequences(args, work: Path, prompts, tokenizer):
+    """The records of the label stages for `prompts` as training sequences (ids prefixed by their kind), split
+    into training and held-out sequences by a seeded draw. A record is used only when its prompt is the prompt of
+    the set with its id, so records that are not of this prompt set (imported, or left by an earlier flashdraft
+    that mixed prompt sets) are never trained on."""
     from flashdraft.train.blocks import TrainingSequence
+    from flashdraft.train.prompts import encode_prompt
     from flashdraft.train.records import read_records
 
+    by_id = {prompt.id: prompt for prompt in prompts}
     sequences = []
     for kind in label_kinds(args):
-        for record in read_records(work / f"records-{kind}"):
+        folder, outside = work / f"records-{kind}", 0
+        for record in read_records(folder):
+            prompt = by_id.get(record.id)
+            if prompt is None:
+                outside += 1
+                continue
+            if record.input_ids[: record.response_start] != encode_prompt(tokenizer, prompt):
+                raise ValueError(
+                    f"{folder} holds a record of prompt {record.id!r} made from another prompt text: the folder "
+                    "mixes two prompt sets (an earlier flashdraft let that happen); delete it, or give this run its "
+                    "own --work-dir"
+                )
             record.id = f"{kind}/{record.id}"
             sequences.append(TrainingSequence.from_record(record, args.max_length))
+        if outside:
+            _say(f"{kind}: {outside} records of prompts outside this prompt set are left out")
     usable = [s for s in sequences if len(s.anchor_positions) > 0]
     if not usable:
         raise ValueError("no training record has a response of 2 tokens or more: the training set is empty")
@@ -371,13 +456,10 @@ def eval_prompt_sets(args, tokenizer, heldout) -> dict[str, list[list[int]]]:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
-    from flashdraft.draft import DFlashDraftModel
-    from flashdraft.models import cache_home, load_target
-    from flashdraft.text import stop_token_ids
-    from flashdraft.train.distributed import barrier, setup_distributed
-    from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store
-    from flashdraft.train.loss import DraftVocabulary
-    from flashdraft.train.trainer import TrainConfig, Trainer, ensure_writable, init_from_target, save_trained_draft
+    from flashdraft.models import cache_home
+    from flashdraft.train.distributed import setup_distributed
+    from flashdraft.train.records import exclusive
+    from flashdraft.train.trainer import TrainConfig, ensure_writable
 
     command = exact_command(args, parser)
     config = TrainConfig(  # first: a bad setting fails before any model is loaded
@@ -396,14 +478,42 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dist = setup_distributed(args.device)
+    distributed = dist.world_size > 1
+    if distributed and args.until != "train":
+        raise ValueError("under torchrun / accelerate launch only the train stage runs: run the data stages first "
+                         "in one process with --until features")
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", args.target).strip("-")
     work = (args.work_dir or cache_home() / "train" / slug).expanduser().resolve()
     output = args.output.expanduser().resolve()
+    settings = None if distributed else prompt_settings(args)
     if dist.is_main:
         if output.is_dir() and not (output / "config.json").is_file() and any(output.iterdir()):
             raise ValueError(f"{output} exists and is not a draft folder: choose an empty or new --output")
+        if settings is not None:
+            check_work_folder(work, settings)  # before anything is written
         ensure_writable(output, 200 << 20, "draft")
         ensure_writable(work, 1 << 30, "work folder")
+    run_dir = work / "runs" / args.run_name
+    # One command at a time trains a run folder (the data folders have locks of their own).
+    lock = (exclusive(run_dir / ".lock", f"another run is training in {run_dir}: wait for it to finish, or give this "
+                      "one another --run-name")
+            if dist.is_main and args.until == "train" else nullcontext())
+    with lock:
+        return _pipeline(args, command, config, dist, work, output, run_dir, settings)
+
+
+def _pipeline(args, command: str, config, dist, work: Path, output: Path, run_dir: Path, settings: dict | None) -> int:
+    """The stages, from loading the target to the written draft."""
+    import torch
+
+    from flashdraft.draft import DFlashDraftModel
+    from flashdraft.models import load_target
+    from flashdraft.text import stop_token_ids
+    from flashdraft.train.distributed import barrier
+    from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store
+    from flashdraft.train.loss import DraftVocabulary
+    from flashdraft.train.prompts import read_prompt_file
+    from flashdraft.train.trainer import Trainer, init_from_target, save_trained_draft, seed_everything
 
     model, tokenizer = load_target(args.target, device=dist.device, dtype=getattr(torch, args.dtype))
     text_config = model.config.get_text_config()
@@ -411,17 +521,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     mask_token_id = _mask_token_id(args, tokenizer, model.get_input_embeddings().weight.shape[0])
 
     distributed = dist.world_size > 1
-    if distributed and args.until != "train":
-        raise ValueError("under torchrun / accelerate launch only the train stage runs: run the data stages first "
-                         "in one process with --until features")
     if not distributed:
-        prompts = stage_prompts(args, work)
+        check_record_folders(args, work, model, tokenizer)  # before anything is written
+        prompts = stage_prompts(args, work, settings)
         if args.until == "prompts":
             return 0
         stage_labels(args, work, model, tokenizer, prompts)
         if args.until == "labels":
             return 0
-    sequences, heldout = load_sequences(args, work)
+    else:
+        if not (work / PROMPT_SETTINGS).is_file():
+            raise ValueError(f"{work} holds no prompts: run the data stages first in one process with --until "
+                             "features")
+        prompts = read_prompt_file(work / PROMPTS_FILE).prompts
+    sequences, heldout = load_sequences(args, work, prompts, tokenizer)
     if args.features == "offline":
         key = _digest({"layers": layer_ids, "dtype": args.feature_dtype, "target": args.target,
                        "sequences": sorted((s.id, len(s)) for s in sequences + heldout)})
@@ -435,6 +548,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.until == "features":
         return 0
 
+    seed_everything(args.seed)  # the draft's random initialisation (e.g. fc) is part of a reproducible run
     draft = DFlashDraftModel.for_target(model.config, num_layers=args.draft_layers, block_size=args.block_size,
                                         mask_token_id=mask_token_id, target_layer_ids=layer_ids)
     if args.init_draft:
@@ -456,7 +570,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         vocabulary, coverage = DraftVocabulary.most_frequent(sequences, args.draft_vocab_size, vocab_size)
         _say(f"drafting vocabulary: {len(vocabulary)} tokens cover {coverage:.1%} of the training labels")
     trainer = Trainer(
-        draft, model, sequences, features, work / "runs" / args.run_name, config, vocabulary=vocabulary,
+        draft, model, sequences, features, run_dir, config, vocabulary=vocabulary,
         heldout=heldout, eval_prompts=eval_prompt_sets(args, tokenizer, heldout),
         stop_token_ids=stop_token_ids(model, tokenizer), distributed=dist,
     )

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .blocks import TrainingSequence
-from .records import plan_batches
+from .records import exclusive, plan_batches
 from .regenerate import model_identity
 
 META_FILE = "meta.json"
@@ -120,8 +120,8 @@ def build_feature_store(
 ) -> "FeatureStore":
     """Compute the features of every sequence once and store them in `folder` (resumable; see the module doc).
 
-    A folder built for other sequences, another target or other layers is refused rather than mixed. The disk
-    space is checked before the first forward."""
+    A folder built for other sequences, another target or other layers is refused rather than mixed, and so is one
+    that another run is building (a lock file). The disk space is checked before the first forward."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"feature storage dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype!r}")
     if not sequences:
@@ -134,6 +134,12 @@ def build_feature_store(
         raise ValueError(
             f"cannot create the feature folder {folder} ({error.strerror}): choose a writable folder"
         ) from None
+    with exclusive(folder / ".lock", f"another run is computing the features in {folder}: wait for it to finish"):
+        return _build_feature_store(model, sequences, folder, layer_ids, dtype, batch_size, progress)
+
+
+def _build_feature_store(model, sequences, folder: Path, layer_ids, dtype: str, batch_size: int,
+                         progress: bool) -> "FeatureStore":
     torch_dtype, numpy_dtype = STORAGE_DTYPES[dtype]
     width = len(layer_ids) * model.config.get_text_config().hidden_size
     offsets = np.cumsum([0] + [len(s) for s in sequences]).tolist()

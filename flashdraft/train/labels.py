@@ -67,6 +67,19 @@ def label_batch(
     return results
 
 
+def label_settings(model, tokenizer, *, max_response_tokens: int, top_k: int, batch_size: int) -> dict:
+    """The settings a record folder of `label_responses` is made with (its meta.json)."""
+    end_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else stop_token_ids(model, tokenizer)[0]
+    return {
+        "stage": "labels",
+        **model_identity(model),
+        "max_response_tokens": max_response_tokens,
+        "top_k": top_k,
+        "batch_size": batch_size,
+        "end_token_id": end_token_id,
+    }
+
+
 def label_responses(
     model,
     tokenizer,
@@ -94,15 +107,9 @@ def label_responses(
         )
     if not with_response:
         raise ValueError("none of the prompts has a response to label: use regeneration, or prompts with responses")
-    end_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else stop_token_ids(model, tokenizer)[0]
-    settings = {
-        "stage": "labels",
-        **model_identity(model),
-        "max_response_tokens": max_response_tokens,
-        "top_k": top_k,
-        "batch_size": batch_size,
-        "end_token_id": end_token_id,
-    }
+    settings = label_settings(model, tokenizer, max_response_tokens=max_response_tokens, top_k=top_k,
+                              batch_size=batch_size)
+    end_token_id = settings["end_token_id"]
     encoded = [encode_with_response(tokenizer, p, end_token_id, max_response_tokens) for p in with_response]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_token_id
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import unicodedata
@@ -143,12 +144,15 @@ def read_prompt_file(path: str | Path, source: str = "file") -> PromptFile:
 
 
 def write_prompt_file(prompts: Iterable[Prompt], path: str | Path) -> None:
-    """Write prompts as JSONL that `read_prompt_file` reads back (ids, sources and responses kept)."""
+    """Write prompts as JSONL that `read_prompt_file` reads back (ids, sources and responses kept). Atomically: a
+    reader never sees half a file, and a kill leaves the previous file whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as handle:
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with temporary.open("w", encoding="utf-8") as handle:
         for prompt in prompts:
             handle.write(json.dumps(prompt.to_json(), ensure_ascii=False) + "\n")
+    os.replace(temporary, path)
 
 
 def truncate_prompt(prompt: Prompt, max_chars: int) -> Prompt:

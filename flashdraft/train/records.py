@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -95,6 +96,35 @@ def read_records(folder: str | Path) -> Iterator[TrainingRecord]:
                     yield TrainingRecord(**json.loads(line))
 
 
+@contextmanager
+def exclusive(lock_path: str | Path, busy: str) -> Iterator[None]:
+    """Hold the lock file `lock_path` (made if need be) while the block runs, so that two runs never write the same
+    files at once; when another run holds it, fail at once with the message `busy` rather than wait."""
+    lock_path = Path(lock_path)
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(lock_path))
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ValueError(busy) from None
+    except OSError as error:  # not writable, or a file in the way
+        raise ValueError(f"cannot write to {lock_path.parent} ({error.strerror}): choose a writable folder") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def settings_differences(folder: str | Path, settings: dict) -> list[str]:
+    """The settings in which the records of `folder` differ from `settings` (none when it holds no records yet)."""
+    meta_path = Path(folder).expanduser() / META_FILE
+    if not meta_path.exists():
+        return []
+    stored = json.loads(meta_path.read_text(encoding="utf-8"))
+    settings = json.loads(json.dumps(settings))  # as it reads back from JSON (tuples become lists)
+    return sorted(k for k in stored.keys() | settings.keys() if stored.get(k) != settings.get(k))
+
+
 def ensure_free_space(folder: Path, needed_bytes: int, what: str = "records") -> None:
     """Fail before the work, not hours into it, when the disk cannot hold the output."""
     free = shutil.disk_usage(folder).free
@@ -124,17 +154,14 @@ class ShardWriter:
             raise ValueError(f"cannot write to {self.folder} ({error.strerror}): choose a writable folder") from None
         self.records_per_shard = records_per_shard
         meta_path = self.folder / META_FILE
-        settings = json.loads(json.dumps(settings))  # as it reads back from JSON (tuples become lists)
-        if meta_path.exists():
-            stored = json.loads(meta_path.read_text(encoding="utf-8"))
-            if stored != settings:
-                changed = sorted(k for k in stored.keys() | settings.keys() if stored.get(k) != settings.get(k))
-                self.lock.release()
-                raise ValueError(
-                    f"{self.folder} holds records made with other settings (differences: {', '.join(changed)}): "
-                    "resume with the same settings or choose another folder"
-                )
-        else:
+        changed = settings_differences(self.folder, settings)
+        if changed:
+            self.lock.release()
+            raise ValueError(
+                f"{self.folder} holds records made with other settings (differences: {', '.join(changed)}): "
+                "resume with the same settings or choose another folder"
+            )
+        if not meta_path.exists():
             meta_path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
         self.done_ids: set[str] = set()

@@ -128,6 +128,21 @@ def generate_batch(
     return responses, (top if top_k else None)
 
 
+def regenerate_settings(model, tokenizer, *, max_new_tokens: int, temperature: float, top_k: int, batch_size: int,
+                        seed: int) -> dict:
+    """The settings a record folder of `regenerate` is made with (its meta.json): records made with others differ."""
+    return {
+        "stage": "regenerate",
+        **model_identity(model),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
+        "batch_size": batch_size,
+        "seed": seed,
+        "stop_token_ids": stop_token_ids(model, tokenizer),
+    }
+
+
 def regenerate(
     model,
     tokenizer,
@@ -153,17 +168,9 @@ def regenerate(
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    stops = stop_token_ids(model, tokenizer)
-    settings = {
-        "stage": "regenerate",
-        **model_identity(model),
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_k": top_k,
-        "batch_size": batch_size,
-        "seed": seed,
-        "stop_token_ids": stops,
-    }
+    settings = regenerate_settings(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, batch_size=batch_size, seed=seed)
+    stops = settings["stop_token_ids"]
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
 

@@ -9,19 +9,26 @@ warmup then cosine decay, gradient clipping. The target's embeddings and head ar
 A checkpoint (every `checkpoint_every` steps and at the end) holds the draft, optimizer, scheduler, RNG states,
 the step (which fixes the data position: epoch and batch follow from it) and the evaluation history. A run
 restarted on the same run folder continues from its last checkpoint and ends with the same weights as an
-uninterrupted run. Every `eval_every` steps the draft's tau on a few held-out prompts is measured by replaying the
-greedy loop's rounds on the target's answers (`flashdraft.bench.replay`, answers and features computed once) and
-the best draft so far (by mean tau) is kept; the output folder receives it in the DFlash checkpoint format with a
-model card.
+uninterrupted run. Each checkpoint has its size and sha256 in a JSON file beside it and is read without unpickling
+objects (`weights_only=True`); a damaged one (truncated, changed, non-finite) is set aside and the run resumes from
+the newest intact one. A step whose loss or gradient norm is not finite is not applied: the run goes back to its
+newest checkpoint and goes on from there; the same step failing again stops it with an error, so no diverged draft
+is ever kept or written.
+
+Every `eval_every` steps the draft's tau on a few held-out prompts is measured by replaying the greedy loop's
+rounds on the target's answers (`flashdraft.bench.replay`, answers and features computed once) and the best draft
+so far (by mean tau) is kept; the output folder receives it in the DFlash checkpoint format with a model card.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -43,6 +50,8 @@ from .records import ensure_free_space
 from .loss import DEFAULT_CHUNK, DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
 
 CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_FORMAT = 2  # 2: read with weights_only=True, checksum beside it (1, pickled objects, is refused)
+CHECKPOINT_KEYS = {"draft", "optimizer", "scheduler", "step", "elapsed", "rng", "evaluations", "best", "fingerprint"}
 BEST_DIR = "best"
 METRICS_FILE = "metrics.jsonl"
 EVAL_BATCH = 8  # evaluation prompts per batch of target answers
@@ -149,6 +158,93 @@ def ensure_writable(folder: Path, needed_bytes: int, what: str) -> None:
     ensure_free_space(folder, needed_bytes, what)
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python's and torch's generators (every device): call it before building the draft, so that its random
+    initialisation, and with it a fresh run, is the same for the same seed."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an infinity."""
+    return [name for name, tensor in tensors.items()
+            if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be trusted; the message says why."""
+
+
+class NonFiniteStep(Exception):
+    """An optimizer step whose loss or gradient norm is not finite (it was not applied)."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _checksum_path(checkpoint: Path) -> Path:
+    return checkpoint.with_suffix(".json")
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    return int(checkpoint.stem.split("-")[1])
+
+
+def _write_json_atomic(path: Path, value) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(value) + "\n")
+    os.replace(temporary, path)
+
+
+def _python_rng_state() -> list:
+    # random.getstate() is (version, tuple of ints, gauss_next): kept as plain lists, which weights_only reads
+    version, internal, gauss_next = random.getstate()
+    return [version, list(internal), gauss_next]
+
+
+def _set_python_rng_state(state: list) -> None:
+    version, internal, gauss_next = state
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint's state, after checking it against its checksum file and for non-finite values; raises
+    `DamagedCheckpoint` saying what is wrong. Nothing is unpickled but tensors and plain values."""
+    record_path = _checksum_path(path)
+    if not record_path.is_file():
+        raise DamagedCheckpoint(f"it has no checksum file {record_path.name} (written by an older flashdraft, whose "
+                                "checkpoints this one does not read)")
+    try:
+        record = json.loads(record_path.read_text())
+        size = path.stat().st_size
+    except (OSError, ValueError) as error:
+        raise DamagedCheckpoint(f"it or its checksum file cannot be read ({error})") from None
+    if not isinstance(record, dict):
+        raise DamagedCheckpoint(f"its checksum file {record_path.name} holds no checksum")
+    if size != record.get("bytes"):
+        raise DamagedCheckpoint(f"it has {size} bytes where {record.get('bytes')} were written (truncated?)")
+    if _sha256(path) != record.get("sha256"):
+        raise DamagedCheckpoint("its sha256 differs from the one recorded when it was written")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # any failure to read it (zip, pickle, a refused object) means: do not use it
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DamagedCheckpoint(f"it cannot be read ({reason})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or not CHECKPOINT_KEYS <= state.keys():
+        raise DamagedCheckpoint(f"it is not a flashdraft checkpoint of format {CHECKPOINT_FORMAT}")
+    moments = {f"optimizer {key} of parameter {index}": value
+               for index, values in state["optimizer"]["state"].items() for key, value in values.items()}
+    bad = non_finite(state["draft"]) + non_finite(moments)
+    if bad:
+        raise DamagedCheckpoint(f"it holds non-finite values ({', '.join(bad[:3])})")
+    return state
+
+
 class Trainer:
     """Trains `draft` for `target` on `sequences`; see the module doc."""
 
@@ -224,6 +320,7 @@ class Trainer:
             self.optimizer, lambda step: _lr_factor(step, self.warmup_steps, self.total_steps)
         )
         self.step = 0
+        self.retried: set[int] = set()  # steps that were not finite once and were retried from a checkpoint
         self.elapsed = 0.0  # seconds of training in earlier sessions of this run
         self.evaluations: list[dict] = []
         self.best: dict | None = None
@@ -314,11 +411,17 @@ class Trainer:
             stats[3 : 3 + positions] += output.correct
             stats[3 + positions :] += output.counted
         grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.max_grad_norm)
+        stats = all_reduce_sum(stats.to(self._reduce_device)).cpu()
+        # Both are global (the loss summed, the gradients synchronised), so every process takes the same decision;
+        # a non-finite step is not applied, so the weights stay those of the last good step.
+        for what, value in (("loss", stats[0].item()), ("gradient norm", float(grad_norm))):
+            if not math.isfinite(value):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteStep(f"step {self.step + 1}: the {what} is not finite")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        stats = all_reduce_sum(stats.to(self._reduce_device)).cpu()
         return {
             "step": self.step,
             "loss": stats[0].item() / weight.item() if weight.item() > 0 else 0.0,
@@ -347,7 +450,14 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step", disable=not self.progress)
         last = None
         while self.step < self.total_steps:
-            last = self.train_step()
+            try:
+                last = self.train_step()
+            except NonFiniteStep as error:
+                self._go_back(str(error))
+                window, last = [], None
+                bar.reset(total=self.total_steps)
+                bar.update(self.step)
+                continue
             blocks += last["blocks"]
             tokens += last["tokens"]
             window.append(last)
@@ -479,7 +589,8 @@ class Trainer:
             score = self._score(evaluation)
             self.evaluations.append(evaluation)
             self._append_metrics({"eval": evaluation})
-            if score is not None and (self.best is None or score > self._score(self.best)):
+            keep = score is not None and math.isfinite(score)  # a NaN score would win against nothing, then stay
+            if keep and (self.best is None or score > self._score(self.best)):
                 self.best = evaluation
                 _save_draft_atomic(self.draft, self.run_dir / BEST_DIR)
             if self.progress:
@@ -492,15 +603,16 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _save_checkpoint(self, session_seconds: float) -> None:
-        """Write the full training state atomically, keep the newest `keep_checkpoints`."""
+        """Write the full training state atomically with its checksum file, keep the newest `keep_checkpoints`."""
         if self.dist.is_main:
             state = {
+                "format": CHECKPOINT_FORMAT,
                 "draft": self.draft.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "step": self.step,
                 "elapsed": self.elapsed + session_seconds,
-                "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
+                "rng": {"python": _python_rng_state(), "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                 "evaluations": self.evaluations,
                 "best": self.best,
@@ -511,17 +623,41 @@ class Trainer:
             path = folder / f"step-{self.step:08d}.pt"
             temporary = path.with_suffix(".tmp")
             torch.save(state, temporary)
+            # The checksum is of the bytes on disk, and goes in place first: a checkpoint always has its checksum
+            # file (a kill between the two renames leaves a checksum file alone, or a stale one that resume reports).
+            record = {"format": CHECKPOINT_FORMAT, "step": self.step, "bytes": temporary.stat().st_size,
+                      "sha256": _sha256(temporary)}
+            _write_json_atomic(_checksum_path(path), record)
             os.replace(temporary, path)
             for old in sorted(folder.glob("step-*.pt"))[: -self.config.keep_checkpoints]:
                 old.unlink()
+                _checksum_path(old).unlink(missing_ok=True)
         barrier()
 
-    def _resume(self) -> None:
-        """Load the newest checkpoint of the run folder, if any (every process reads the same file)."""
-        checkpoints = sorted((self.run_dir / CHECKPOINT_DIR).glob("step-*.pt"))
-        if not checkpoints:
-            return
-        state = torch.load(checkpoints[-1], map_location="cpu", weights_only=False)
+    def _newest_intact(self) -> tuple[dict | None, list[tuple[Path, str]]]:
+        """The state of the newest checkpoint that reads back intact (None when the run has none), and the newer
+        damaged ones with what is wrong with them. A run whose checkpoints are all damaged is refused."""
+        damaged = []
+        for path in sorted((self.run_dir / CHECKPOINT_DIR).glob("step-*.pt"), reverse=True):
+            try:
+                return read_checkpoint(path), damaged
+            except DamagedCheckpoint as error:
+                damaged.append((path, str(error)))
+        if damaged:
+            listed = "; ".join(f"{path.name}: {reason}" for path, reason in damaged)
+            raise ValueError(
+                f"{self.run_dir} has no intact checkpoint to resume from ({listed}): delete "
+                f"{self.run_dir / CHECKPOINT_DIR} to train this run from the start, or choose another run folder"
+            )
+        return None, []
+
+    def _restore(self) -> int | None:
+        """Load the newest intact checkpoint (every process reads the same file) and set aside the damaged ones
+        after it, so they are neither read again nor counted among the kept checkpoints. Returns its step, None
+        when the run has no checkpoint."""
+        state, damaged = self._newest_intact()
+        if state is None:
+            return None
         fingerprint = self._fingerprint()
         if state["fingerprint"] != fingerprint:
             changed = sorted(k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k])
@@ -536,12 +672,43 @@ class Trainer:
         self.elapsed = state["elapsed"]
         self.evaluations = state["evaluations"]
         self.best = state["best"]
-        random.setstate(state["rng"]["python"])
+        _set_python_rng_state(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        if self.progress:
+        barrier()  # every process has read before the main one moves files
+        for path, reason in damaged:
+            aside = path.with_name(path.name + ".damaged")
+            self._warn(f"checkpoint step {_checkpoint_step(path)} is damaged ({path}: {reason}): resuming from step "
+                       f"{self.step}; the damaged file is kept as {aside.name}")
+            if self.dist.is_main:
+                os.replace(path, aside)
+                _checksum_path(path).unlink(missing_ok=True)
+        return self.step
+
+    def _resume(self) -> None:
+        """Continue from the newest intact checkpoint of the run folder, if any."""
+        if self._restore() is not None and self.progress:
             tqdm.write(f"resuming {self.run_dir} from step {self.step} of {self.total_steps}")
+
+    def _go_back(self, failure: str) -> None:
+        """After a non-finite step: back to the newest intact checkpoint, and on from there. A passing fault does
+        not come back; a step that fails a second time (the data or the settings make it diverge) stops the run."""
+        failed = self.step + 1
+        fix = ("lower the learning rate or the gradient clipping norm, train with a float32 target, or check the "
+               "training data and features")
+        if self._restore() is None:
+            raise ValueError(f"{failure}, and the run has no checkpoint to go back to: {fix}")
+        if failed in self.retried:
+            raise ValueError(f"{failure} again after resuming from checkpoint step {self.step}: {fix} (the run folder "
+                             f"keeps checkpoint step {self.step})")
+        self.retried.add(failed)
+        self._warn(f"{failure}; resumed from checkpoint step {self.step}")
+
+    def _warn(self, message: str) -> None:
+        """What the user must know whether or not progress is shown (once, from the main process)."""
+        if self.dist.is_main:
+            tqdm.write(message, file=sys.stderr)
 
     def kept_draft(self) -> DFlashDraftModel:
         """The draft to ship: the best evaluated one when evaluations were made, else the current weights."""
@@ -552,6 +719,9 @@ class Trainer:
 
 
 def _save_draft_atomic(draft: DFlashDraftModel, folder: Path) -> None:
+    bad = non_finite(draft.state_dict())
+    if bad:  # a diverged draft is never kept nor shipped
+        raise ValueError(f"the draft has non-finite weights ({', '.join(bad[:3])}): it is not written to {folder}")
     temporary = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)
     draft.save_pretrained(temporary)

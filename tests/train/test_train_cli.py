@@ -98,14 +98,26 @@ def test_until_stops_after_a_stage(target_folder, tmp_path):
     assert not (tmp_path / "draft" / "config.json").exists()
 
 
-def test_label_minutes_zero_trains_on_the_records_so_far(target_folder, tmp_path, capsys):
+def test_label_minutes_zero_trains_on_the_records_so_far(target_folder, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    regenerate_module = importlib.import_module("flashdraft.train.regenerate")  # the package exports a function too
     prompt_file(tmp_path / "prompts.jsonl")
     assert main(train_args(target_folder, tmp_path, "--label-minutes", "0")) == 2  # nothing labelled yet
     assert "the training set is empty" in capsys.readouterr().err
-    prompt_file(tmp_path / "prompts.jsonl", count=8)
-    assert main(train_args(target_folder, tmp_path, "--until", "labels")) == 0  # 8 prompts labelled
-    prompt_file(tmp_path / "prompts.jsonl", count=14)
-    assert main(train_args(target_folder, tmp_path, "--label-minutes", "0")) == 0
+    # Labelling is interrupted (Ctrl-C) after its first batch of 8 prompts.
+    generate_batch, batches = regenerate_module.generate_batch, []
+
+    def interrupted_after_one_batch(*args, **kwargs):
+        if batches:
+            raise KeyboardInterrupt
+        batches.append(1)
+        return generate_batch(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate_module, "generate_batch", interrupted_after_one_batch)
+    assert main(train_args(target_folder, tmp_path, "--until", "labels", "--data-batch-size", "8")) == 130
+    monkeypatch.undo()
+    assert main(train_args(target_folder, tmp_path, "--label-minutes", "0", "--data-batch-size", "8")) == 0
     assert "ran out with 6 prompts left" in capsys.readouterr().err
     assert len(list(read_records(tmp_path / "work" / "records-regenerate"))) == 8
 
@@ -189,3 +201,81 @@ def test_init_draft_starts_from_an_earlier_draft_and_must_match_it(target_folder
         assert torch.allclose(second.state_dict()[name], tensor, atol=1e-6), name
     err = run_failing(later + ["--block-size", "8"], capsys)
     assert "--init-draft" in err and "(1, 8, [0, 2], 1)" in err
+
+
+def files_of(folder):
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_a_run_with_other_prompts_in_the_same_work_folder_changes_nothing_and_the_first_resumes(
+        target_folder, tmp_path, capsys, monkeypatch):
+    from flashdraft.train.records import exclusive
+    from flashdraft.train.trainer import Trainer
+
+    prompt_file(tmp_path / "prompts.jsonl")
+    first = train_args(target_folder, tmp_path, "--draft-vocab-size", "0")
+    train_step = Trainer.train_step
+
+    def interrupted_at_step_3(self):
+        if self.step == 2:
+            raise KeyboardInterrupt  # after the checkpoint of step 2
+        return train_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_step_3)
+    assert main(first) == 130
+    monkeypatch.undo()
+    work = tmp_path / "work"
+    before = files_of(work)
+    assert "runs/default/checkpoints/step-00000002.pt" in before
+
+    # Another prompt set, with the same ids: refused before anything is written, under any run name.
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"other w{i} w{i + 1}"}) + "\n"
+                                                  for i in range(10)))
+    other = [str(tmp_path / "other.jsonl") if a == str(tmp_path / "prompts.jsonl") else a for a in first]
+    for extra in ([], ["--run-name", "other", "-o", str(tmp_path / "other-draft")]):
+        err = run_failing(other + extra, capsys)
+        assert f"the work folder {work} holds the data of other prompt settings (differences: files" in err
+        assert "give this run its own --work-dir" in err
+    # A run already training there (its lock held) refuses a second one with the same run name.
+    with exclusive(work / "runs" / "default" / ".lock", "held by the test"):
+        assert "another run is training in" in run_failing(first, capsys)
+    assert files_of(work) == before
+    assert not (tmp_path / "other-draft").exists()
+
+    assert main(first) == 0  # the first run resumes from its checkpoint and finishes
+    captured = capsys.readouterr()
+    assert "0 new records, 14 already done" in captured.err
+    assert "resuming" in captured.out and "from step 2 of 4" in captured.out
+    assert json.loads((tmp_path / "draft" / "training.json").read_text())["summary"]["steps"] == 4
+
+    # With its own work folder, the other prompt set trains.
+    assert main(other + ["--work-dir", str(tmp_path / "other-work"), "-o", str(tmp_path / "other-draft")]) == 0
+
+
+def test_the_same_command_trains_the_same_draft(target_folder, tmp_path):
+    prompt_file(tmp_path / "prompts.jsonl")
+    drafts = []
+    for name in ("a", "b"):
+        args = train_args(target_folder, tmp_path, "--draft-vocab-size", "0", "--max-steps", "2", "--eval-every", "0",
+                          "--work-dir", str(tmp_path / f"work-{name}"), "-o", str(tmp_path / f"draft-{name}"))
+        torch.manual_seed(len(drafts))  # whatever the process drew before, --seed decides
+        assert main(args) == 0
+        drafts.append((tmp_path / f"draft-{name}" / "model.safetensors").read_bytes())
+    assert drafts[0] == drafts[1]
+
+
+def test_a_command_is_refused_while_another_writes_the_same_data(target_folder, tmp_path, capsys):
+    from flashdraft.train.records import exclusive
+
+    prompt_file(tmp_path / "prompts.jsonl")
+    work = tmp_path / "work"
+    with exclusive(work / ".prompts.lock", "held by the test"):
+        err = run_failing(train_args(target_folder, tmp_path, "--until", "prompts"), capsys)
+    assert f"another run is preparing the prompts in {work}: wait for it to finish" in err
+    assert not (work / "prompts.jsonl").exists()
+    assert main(train_args(target_folder, tmp_path, "--until", "prompts")) == 0
+    with exclusive(work / "records-regenerate" / ".lock", "held by the test"):
+        before = files_of(work)
+        err = run_failing(train_args(target_folder, tmp_path, "--until", "labels"), capsys)
+    assert "another run is writing to" in err
+    assert files_of(work) == before

@@ -161,6 +161,16 @@ def test_feature_store_resumes_after_a_kill_and_refuses_other_data(tmp_path, mon
                             progress=False)
 
 
+def test_a_feature_store_that_another_run_is_building_is_refused(tmp_path):
+    from flashdraft.train.records import exclusive
+
+    target, _ = target_and_draft()
+    with exclusive(tmp_path / "store" / ".lock", "held by the test"):
+        with pytest.raises(ValueError, match="another run is computing the features in .*store: wait for it"):
+            build_feature_store(target, pattern_sequences(4), tmp_path / "store", FEATURE_LAYERS, progress=False)
+    assert not (tmp_path / "store" / "meta.json").exists()
+
+
 def test_trains_from_an_offline_store_like_online(tmp_path):
     target, _ = target_and_draft()
     sequences = pattern_sequences(12)
@@ -299,7 +309,7 @@ def test_cleanup_of_old_checkpoints(tmp_path):
                                                         keep_checkpoints=2))
     trainer.train()
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    assert kept == ["step-00000006.pt", "step-00000007.pt"]
+    assert kept == ["step-00000006.json", "step-00000006.pt", "step-00000007.json", "step-00000007.pt"]
 
 
 def test_a_bfloat16_target_trains_a_float32_draft_under_autocast(tmp_path):
