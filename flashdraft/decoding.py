@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from .adaptive import BlockSizeController, cached_costs
 from .draft import DFlashDraftModel, DraftCache
-from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from .sampling import SamplingParams, accept_greedy, accept_sampled, check_seed, probabilities, sample
 from .target import TargetModel
 
 
@@ -172,10 +172,13 @@ def stream(
     round, the anchor included; "auto" (the default, as in the CLI and the server) = chosen round by round for
     the most tokens per second, never above the draft's own, down to 1 when drafting does not pay
     (`flashdraft.adaptive`); None = always the draft's own; 1 (or no draft) is plain autoregressive decoding.
-    `seed` makes sampling reproducible.
+    `seed` (a 64-bit integer) makes sampling reproducible. A temperature so small that logits / T overflows
+    (1e-38, even 5e-324) samples exactly too, which there means the argmax, shared among exact ties
+    (`flashdraft.sampling.probabilities`).
     """
     target = target if isinstance(target, TargetModel) else TargetModel(target)
     params = SamplingParams(temperature, top_p, top_k)
+    check_seed(seed)  # also when greedy, which does not use it: a seed no generator takes is a mistake either way
     if isinstance(draft, DFlashDraftModel):
         draft = DFlashProposer(draft, target)
     native = getattr(draft, "block_size", None) if draft is not None else None

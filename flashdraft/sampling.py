@@ -9,13 +9,16 @@ Sampling (temperature > 0) uses rejection sampling (Leviathan et al. 2023; Chen 
 drawn from q, proposal x is accepted with probability min(1, p(x) / q(x)), a rejection is replaced by a draw
 from norm(max(0, p - q)), and the bonus after a fully accepted block is drawn from p. The emitted sequence
 then follows p exactly. p and q are the target's and the draft's logits warped by the same temperature,
-top-k and top-p, with transformers' own warpers, so p is exactly what `target.generate(do_sample=True)` uses.
+top-k and top-p, with transformers' own warpers, so p is exactly what `target.generate(do_sample=True)` uses,
+wherever that is a distribution: at a temperature so small that logits / T overflows float32 (where transformers
+gets NaN) p is computed from the logits shifted by their maximum instead, which is the same distribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from numbers import Integral
 
 import torch
 from transformers.generation.logits_process import (
@@ -23,6 +26,21 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+
+# The seeds a torch generator takes: any signed or unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+# Below this temperature, logits / T can overflow float32 (from about 1e-37 for logits of order 10; transformers'
+# softmax is then NaN). Above it only logits beyond 1e34 could, which no model produces; the check is skipped.
+OVERFLOW_BELOW = 1e-4
+
+
+def check_seed(seed) -> None:
+    """A seed no generator takes fails here, named, rather than as torch's "Overflow when unpacking long long"."""
+    low, high = SEED_RANGE
+    if seed is not None and not (isinstance(seed, Integral) and not isinstance(seed, bool) and low <= seed <= high):
+        raise ValueError(f"seed must be a 64-bit integer, in [-2**63, 2**64 - 1], got {seed!r}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,19 @@ class SamplingParams:
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, V] logits -> [n, V] float32 probabilities after temperature, top-k and top-p."""
-    logits = logits.float()
+    probs = _warped_softmax(logits.float(), params)
+    if 0 < params.temperature < OVERFLOW_BELOW:
+        # Rows where logits / T overflowed (NaN): the same distribution from the logits shifted by their maximum,
+        # in float64, where every warped logit is <= 0 and the largest exactly 0 for any T > 0 (softmax, top-k and
+        # top-p ignore a common shift). At such T it is the argmax, shared evenly among exact ties: the limit of
+        # sampling as T -> 0. Rows that did not overflow keep transformers' numbers. No host sync: torch.where.
+        shifted = logits.double()
+        shifted = shifted - shifted.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs.isnan().any(dim=-1, keepdim=True), _warped_softmax(shifted, params).float(), probs)
+    return probs
+
+
+def _warped_softmax(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     for warper in params.warpers:
         logits = warper(None, logits)
     return torch.softmax(logits, dim=-1)

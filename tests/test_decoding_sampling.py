@@ -146,3 +146,43 @@ def test_probabilities_apply_temperature_top_k_and_top_p():
     assert torch.allclose(probabilities(logits, SamplingParams(1.0, 0.7, 0)), torch.tensor([[0.625, 0.375, 0, 0]]))
     hot = probabilities(logits, SamplingParams(2.0, 1.0, 0))
     assert torch.allclose(hot, torch.softmax(logits / 2, -1))
+
+
+# ------------------------------------------------------------------ temperatures near 0
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    # logits / T overflows float32 here; the limit of sampling as T -> 0 is the argmax, i.e. greedy decoding.
+    target, draft = target_and_draft()
+    greedy = flashdraft.generate(target, draft, PROMPT, max_new_tokens=20, block_size=4).tokens
+    for seed in range(3):
+        sampled = flashdraft.generate(
+            target, draft, PROMPT, max_new_tokens=20, block_size=4, temperature=temperature, seed=seed, **{
+                key: value for key, value in SETTINGS.items() if key != "temperature"
+            },
+        )
+        assert sampled.tokens == greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324])
+def test_probabilities_at_a_tiny_temperature_are_the_argmax_shared_among_ties(temperature):
+    logits = torch.tensor([[4.0, 3.9, -1.0, 0.0], [2.0, -3.0, 2.0, 1.0], [-5.0, -7.0, float("-inf"), -5.5]])
+    expected = torch.tensor([[1.0, 0, 0, 0], [0.5, 0, 0.5, 0], [1.0, 0, 0, 0]])
+    assert torch.equal(probabilities(logits, SamplingParams(temperature)), expected)
+    assert torch.equal(probabilities(logits, SamplingParams(temperature, 0.9, 3)), expected)
+
+
+def test_where_logits_over_t_overflow_the_distribution_is_still_exact_not_rounded_to_the_argmax():
+    # T below float32's smallest number: transformers' division gives inf and NaN. The logits differ by a
+    # subnormal amount, so at this T the exact distribution is exp((l - max l) / T) normalised, far from one-hot.
+    logits = torch.tensor([[1.4e-45, 0.0, -1.0]])
+    expected = torch.softmax((logits.double() - logits.double().max()) / 5e-46, -1).float()
+    probs = probabilities(logits, SamplingParams(5e-46))
+    assert torch.allclose(probs, expected) and 0.01 < float(probs[0, 1]) < 0.99
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.01, 0.7, 1.3])
+def test_wherever_logits_over_t_stay_finite_transformers_warpers_are_used_unchanged(temperature):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 5
+    assert torch.equal(probabilities(logits, SamplingParams(temperature)), torch.softmax(logits / temperature, -1))

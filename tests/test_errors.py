@@ -88,3 +88,23 @@ def test_prompt_plus_new_tokens_beyond_the_target_positions():
 def test_batched_prompt_is_refused():
     with pytest.raises(ValueError, match=r"batch size 1\), got shape \[2, 3\]"):
         generate(prompt=[[1, 2, 3], [4, 5, 6]])
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_seed_outside_64_bits(seed, temperature):
+    # Greedy decoding does not use the seed, but a seed no generator takes is an error either way.
+    message = rf"seed must be a 64-bit integer, in \[-2\*\*63, 2\*\*64 - 1\], got {seed}"
+    with pytest.raises(ValueError, match=message):
+        generate(temperature=temperature, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [1.5, "7", True])
+def test_seed_that_is_not_an_integer(seed):
+    with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+        generate(temperature=1.0, seed=seed)
+
+
+def test_seeds_at_both_ends_of_the_64_bit_range_are_taken():
+    for seed in (-(2**63), 2**64 - 1):
+        assert len(generate(temperature=1.0, seed=seed).tokens) == 4

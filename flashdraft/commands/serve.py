@@ -8,6 +8,10 @@ import socket
 import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
+# After SIGTERM the worker answers every request within a round; this bounds what is left (a client that does not
+# read its answer) before uvicorn cancels it.
+SHUTDOWN_SECONDS = 5
 
 
 def register(subparsers) -> None:
@@ -44,6 +48,10 @@ def register(subparsers) -> None:
         help="requests that may wait for the model; beyond that the server answers 429 (default: 64)",
     )
     parser.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body served; a larger one is answered 413 (default: 4194304, 4 MiB)",
+    )
+    parser.add_argument(
         "--served-model-name", default=None,
         help="the model name clients send and /v1/models lists (default: the --target value)",
     )
@@ -59,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from flashdraft.serve import Engine, create_app
+        from flashdraft.serve.app import Server
     except ImportError as error:
         raise ValueError(
             f"flashdraft serve needs the server packages ({error.name} is missing): pip install 'flashdraft[serve]'"
@@ -67,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     if not 0 < args.port < 65536:
@@ -84,11 +95,13 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine.from_models(
             model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size
         )
-        app = create_app(engine, max_queue=args.max_queue)
+        app = create_app(engine, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
         mode = f"draft block size {engine.block_size}" if draft is not None else "no draft"
         print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
-        uvicorn.Server(config).run(sockets=listening)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_SECONDS
+        )
+        Server(config).run(sockets=listening)
     finally:
         for sock in listening:
             sock.close()

@@ -5,20 +5,25 @@ Routes validate a request, turn it into prompt token ids and a `Job`, queue the 
 and answer either with one JSON body or with server-sent events in OpenAI's chunk format, ending with
 `data: [DONE]`. Every error, ours or the framework's, leaves in OpenAI's error schema
 `{"error": {"message", "type", "param", "code"}}`, always with a code a client can branch on.
+
+Nothing slow runs on the event loop: bodies are limited in size (413 above `max_body_bytes`), prompts are
+tokenized in a thread, and the model runs in the worker's, so /health and running streams never wait on a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from itertools import takewhile
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -40,7 +45,7 @@ from .schemas import (
     SamplingRequest,
     Usage,
 )
-from .worker import Engine, Failed, Finished, Job, QueueFull, TextDelta, Worker
+from .worker import Cancelled, Engine, Failed, Finished, Job, QueueFull, ShuttingDown, TextDelta, Worker
 
 # What an unknown path or method is told to use instead.
 ENDPOINTS = "GET /v1/models, POST /v1/chat/completions, POST /v1/completions and GET /health"
@@ -49,14 +54,31 @@ ENDPOINTS = "GET /v1/models, POST /v1/chat/completions, POST /v1/completions and
 # target's config does not say how long its context is.
 DEFAULT_COMPLETION_TOKENS = 16
 
+# The largest request body served: far above any context length in tokens (a 128k-token prompt is about 1 MB of
+# text or of token ids), far below what would hold up the server to parse.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+# Beyond the limit, this much more of a body is read (and dropped) before the 413, so that a client still sending
+# gets to read it; a longer body is cut off.
+DRAIN_BYTES = 64 << 20
+
+# Half of a UTF-16 surrogate pair: JSON can escape one alone ("\ud800"), but no UTF-8 text, so no tokenizer, holds it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 class APIError(Exception):
     """An error answered in OpenAI's schema with the given HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None):
+        # Messages quote what the client sent, which may hold a lone surrogate: escaped, it can be written as UTF-8.
+        message = _utf8(message)
+        param = None if param is None else _utf8(param)
         super().__init__(message)
         self.status = status
         self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -85,6 +107,67 @@ class JSONBodies:
                 others = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
                 scope = {**scope, "headers": [*others, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body above `max_bytes` is answered 413 (`request_too_large`) without being kept
+    or parsed, whether its Content-Length says so or it is sent in chunks; a smaller one is passed on whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        too_large = declared.isdigit() and int(declared) > self.max_bytes
+        body, received, more = [], 0, True
+        while more and received <= self.max_bytes + DRAIN_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk, more = message.get("body", b""), message.get("more_body", False)
+            received += len(chunk)
+            too_large = too_large or received > self.max_bytes
+            if not too_large:
+                body.append(chunk)
+        if too_large:
+            error = APIError(
+                413, f"the request body is larger than {self.max_bytes} bytes, this server's limit: send a shorter "
+                "prompt, or start the server with a larger --max-body-bytes", code="request_too_large",
+            )
+            await _error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, _replay(b"".join(body), receive), send)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that hands over `body` whole, then what `receive` brings (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive_again():
+        return pending.pop() if pending else await receive()
+
+    return receive_again
+
+
+def _lone_surrogate(value) -> list | None:
+    """The path to the first string or key in a parsed JSON value that holds a lone surrogate, or None. Without
+    recursion: an ignored field may be nested as deep as the JSON parser allows."""
+    stack = [([], value)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if LONE_SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):  # a key with one is reported as if it were its value
+                stack.append(([*path, key], key if LONE_SURROGATE.search(key) else item))
+        elif isinstance(value, list):
+            stack.extend(([*path, index], item) for index, item in reversed(list(enumerate(value))))
+    return None
 
 
 def _where(path: list) -> str:
@@ -137,7 +220,8 @@ def _http_error(request: Request, error: StarletteHTTPException) -> APIError:
 
 
 def _failure(failed: Failed) -> APIError:
-    return APIError(500, failed.message, type="server_error", code=failed.code)
+    status = 503 if failed.code == "shutting_down" else 500  # 503: another server, or this one later, will answer
+    return APIError(status, failed.message, type="server_error", code=failed.code)
 
 
 class ChatFormat:
@@ -214,7 +298,7 @@ def _sse(body) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def _events(job: Job) -> AsyncIterator[TextDelta | Finished | Failed]:
+async def _events(job: Job) -> AsyncIterator[TextDelta | Finished | Failed | Cancelled]:
     while True:
         event = await job.events.get()
         yield event
@@ -222,8 +306,11 @@ async def _events(job: Job) -> AsyncIterator[TextDelta | Finished | Failed]:
             return
 
 
-def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
-    """The server's FastAPI app over `engine`, with a worker whose queue holds up to `max_queue` requests."""
+def create_app(engine: Engine, *, max_queue: int = 64, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server's FastAPI app over `engine`, with a worker whose queue holds up to `max_queue` requests, serving
+    request bodies of up to `max_body_bytes`."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     worker = Worker(engine, max_queue)
     started = int(time.time())
 
@@ -243,6 +330,7 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
     )
     app.state.worker = worker
     app.add_middleware(JSONBodies)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # added last: the outermost, before anything reads
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -282,14 +370,16 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_text(await request.json())  # the body as parsed: FastAPI's, cached
         _check_request(body)
         messages = [{"role": message.role, "content": message.text()} for message in body.messages]
-        prompt = _tokenize(engine.chat_prompt, messages, "messages")
+        prompt = await _tokenize(engine.chat_prompt, messages, "messages")
         max_tokens = _token_budget(len(prompt), body.token_budget, "messages", default=None)
         return await _respond(request, body, prompt, max_tokens, ChatFormat(engine.name))
 
     @app.post("/v1/completions", response_model=Completion)
     async def completions(body: CompletionRequest, request: Request):
+        _check_text(await request.json())
         _check_request(body)
         prompt_input = body.prompt
         if isinstance(prompt_input, list) and prompt_input and isinstance(prompt_input[0], (str, list)):
@@ -299,11 +389,20 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
                     param="prompt", code="unsupported_parameter",
                 )
             prompt_input = prompt_input[0]
-        prompt = _tokenize(engine.text_prompt, prompt_input, "prompt")
+        prompt = await _tokenize(engine.text_prompt, prompt_input, "prompt")
         max_tokens = _token_budget(len(prompt), body.token_budget, "prompt", default=DEFAULT_COMPLETION_TOKENS)
         return await _respond(request, body, prompt, max_tokens, CompletionFormat(engine.name))
 
     # ----------------------------------------------------------------------------------------- helpers
+
+    def _check_text(fields: dict) -> None:
+        path = _lone_surrogate(fields)
+        if path is not None:
+            raise APIError(
+                400, f"`{_where(path)}` is not valid Unicode text: it holds a lone surrogate (half of a UTF-16 pair, "
+                "such as \\ud800, without its other half): send whole characters", param=str(path[0]),
+                code="invalid_value",
+            )
 
     def _check_request(body: SamplingRequest) -> None:
         unsupported = body.unsupported_field()
@@ -316,9 +415,9 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
                 param="model", code="model_not_found",
             )
 
-    def _tokenize(to_ids, prompt_input, param: str) -> list[int]:
-        try:
-            prompt = to_ids(prompt_input)
+    async def _tokenize(to_ids, prompt_input, param: str) -> list[int]:
+        try:  # in a thread: a prompt of megabytes takes seconds, which the event loop must not wait for
+            prompt = await asyncio.to_thread(to_ids, prompt_input)
         except ValueError as error:
             raise APIError(400, str(error), param=param, code="invalid_value") from error
         if not prompt:
@@ -360,6 +459,8 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
             worker.submit(job)
         except QueueFull as error:
             raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
+        except ShuttingDown as error:
+            raise APIError(503, str(error), type="server_error", code="shutting_down") from None
         if body.stream:
             return EventStream(_stream(job, format, len(prompt), body.include_usage), lambda: worker.cancel(job))
         return await _collect(request, job, format, len(prompt))
@@ -367,6 +468,8 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
     async def _stream(job: Job, format, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         first = True
         async for event in _events(job):
+            if isinstance(event, Cancelled):  # the client is gone: nobody reads on
+                return
             if isinstance(event, Failed):
                 yield f"data: {_failure(event).body.model_dump_json()}\n\n"
                 break
@@ -394,6 +497,8 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
                     parts.append(event.text)
                 elif isinstance(event, Failed):
                     raise _failure(event)
+                elif isinstance(event, Cancelled):  # the client is gone; 499 as nginx logs it, though nobody reads it
+                    return Response(status_code=499)
                 else:
                     return format.response("".join(parts), event, _usage(prompt_tokens, event))
         finally:
@@ -406,3 +511,14 @@ def create_app(engine: Engine, *, max_queue: int = 64) -> FastAPI:
 def _usage(prompt_tokens: int, finished: Finished) -> Usage:
     completion = finished.completion_tokens
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server for an app of `create_app`. On SIGTERM or Ctrl-C uvicorn stops listening, then waits for
+    every open request to end, and a request here can take minutes; so the worker stops first: waiting requests are
+    answered `shutting_down` (503, or a last event in a stream) at once and the running one after its current round,
+    and the server exits within seconds whatever its clients do."""
+
+    async def shutdown(self, sockets=None) -> None:
+        self.config.app.state.worker.stop(wait=False)  # the thread is joined in the app's lifespan, after this
+        await super().shutdown(sockets=sockets)

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..sampling import check_seed
+
 # OpenAI request fields flashdraft does not implement, with the values that mean "not used".
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "frequency_penalty": (None, 0),
@@ -47,7 +49,7 @@ class SamplingRequest(StrictModel):
     top_k: int | None = Field(None, ge=0)  # an extension (vLLM has it too); 0 = off
     n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
-    seed: int | None = None
+    seed: int | None = None  # 64 bits, signed or not (what a torch generator takes)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -58,6 +60,12 @@ class SamplingRequest(StrictModel):
         if "" in stops:
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, seed: int | None) -> int | None:
+        check_seed(seed)  # here, not in the worker: a 400 naming the range rather than a failed generation
+        return seed
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, message) for the first field this server cannot honour, or None."""

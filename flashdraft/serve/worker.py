@@ -6,7 +6,8 @@ loop as events (`TextDelta`, then `Finished` or `Failed`) through `loop.call_soo
 never runs a model, so it keeps accepting, validating and rejecting requests while the worker decodes.
 
 A job whose client has gone is cancelled (`Worker.cancel`): a waiting job leaves the queue at once; a running one
-is checked after every round and its token stream closed, so the worker is free within one round.
+is checked after every round and its token stream closed, so the worker is free within one round. Every job ends
+its events with exactly one of `Finished`, `Failed` or `Cancelled`, so nothing waits on a job forever.
 
 Decoding is batch size 1. A batched worker would take several jobs off the same queue and step them together;
 the `Job` and event interface the routes use would not change.
@@ -113,6 +114,11 @@ class Failed:
     code: str = "generation_failed"  # the `code` of the error the client gets
 
 
+@dataclass(frozen=True)
+class Cancelled:
+    """The job was cancelled (its client is gone). Sent all the same: a request handler may still be waiting."""
+
+
 @dataclass(eq=False)  # a job is itself: found in and removed from the queue by identity
 class Job:
     """One request's generation. Created on the event loop; the worker pushes events back onto it."""
@@ -123,12 +129,12 @@ class Job:
     seed: int | None
     stop: list[str]
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TextDelta*, then Finished or Failed
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TextDelta*, then Finished, Failed or Cancelled
     cancelled: threading.Event = field(default_factory=threading.Event)  # set by `Worker.cancel`
     submitted: float = field(default_factory=time.perf_counter)
 
-    def push(self, event: TextDelta | Finished | Failed) -> None:
-        """Called from the worker thread."""
+    def push(self, event: TextDelta | Finished | Failed | Cancelled) -> None:
+        """Called from the worker thread (or the event loop's own)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -137,6 +143,13 @@ class Job:
 
 class QueueFull(Exception):
     """The worker's queue holds `max_queue` jobs already."""
+
+
+class ShuttingDown(Exception):
+    """The worker is stopping: it takes no new job."""
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class Worker:
@@ -165,19 +178,22 @@ class Worker:
         self._thread = threading.Thread(target=self._serve, name="flashdraft-worker", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Fail what waits, stop what runs after its current round, and wait for the thread to end."""
+    def stop(self, wait: bool = True) -> None:
+        """Fail what waits, stop what runs after its current round (both answered `shutting_down`), refuse new
+        jobs, and (with `wait`) wait for the thread to end. Safe to call again."""
         with self._changed:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), deque()
             self._changed.notify_all()
         for job in waiting:
-            job.push(Failed("the server is shutting down", code="shutting_down"))
-        if self._thread is not None:
+            job.push(Failed(SHUTTING_DOWN, code="shutting_down"))
+        if wait and self._thread is not None:
             self._thread.join()
 
     def submit(self, job: Job) -> None:
         with self._changed:
+            if self._stopping:  # nothing would ever take it off the queue
+                raise ShuttingDown(f"{SHUTTING_DOWN}: retry with another server or once it is back")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the server is busy: {self.max_queue} requests are already waiting; retry shortly")
             self._waiting.append(job)
@@ -185,12 +201,15 @@ class Worker:
 
     def cancel(self, job: Job) -> None:
         """The client is gone: a waiting job leaves the queue at once (freeing its place), a running one stops
-        after its current round. No effect on a finished job."""
+        after its current round; either way its last event is `Cancelled`. No effect on a finished job."""
         job.cancelled.set()
         with self._changed:
-            if job in self._waiting:
+            waiting = job in self._waiting
+            if waiting:
                 self._waiting.remove(job)
                 self.cancelled += 1
+        if waiting:
+            job.push(Cancelled())
 
     def _next(self) -> Job | None:
         with self._changed:
@@ -229,9 +248,10 @@ class Worker:
                 for new_tokens in tokens:
                     if job.cancelled.is_set():
                         self._count("cancelled")
+                        job.push(Cancelled())
                         return
                     if self._stopping:
-                        job.push(Failed("the server is shutting down", code="shutting_down"))
+                        job.push(Failed(SHUTTING_DOWN, code="shutting_down"))
                         return
                     delta, stopped = text.add(new_tokens)
                     if delta:

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import uvicorn
@@ -42,8 +43,9 @@ def address(engine):
     thread.join(timeout=30)
 
 
-def request(address, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """(status, headers, body text): raw HTTP, so that the headers are exactly the ones given."""
+def request(address, method: str, path: str, body=None, headers: dict | None = None):
+    """(status, headers, body text): raw HTTP, so that the headers are exactly the ones given. A body that is an
+    iterator of bytes is sent chunked, without a Content-Length."""
     connection = http.client.HTTPConnection(*address, timeout=60)
     try:
         connection.request(method, path, body=body, headers=headers or {})
@@ -168,3 +170,121 @@ def test_a_failed_stream_ends_with_an_error_event_with_a_code(address, monkeypat
     events = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
     assert events[-1] == "[DONE]"
     assert_error(json.loads(events[-2]), "generation_failed")
+
+
+def events(text: str) -> list[str]:
+    return [event.removeprefix("data: ") for event in text.split("\n\n") if event]
+
+
+# ------------------------------------------------------------------------------- client faults, not 500s
+
+
+@pytest.mark.parametrize(
+    "path, fields, where",
+    [
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "w1 \ud800 w2"}]},
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+         "messages[0].content[0].text"),
+        ("/v1/completions", {**COMPLETION, "prompt": "w1 \ud800w2"}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["w1 \udc00"]}, "prompt[0]"),
+        ("/v1/completions", {**COMPLETION, "stop": "\ud800"}, "stop"),
+        ("/v1/chat/completions", {**CHAT, "stop": ["w9", "a\ud800b"]}, "stop[1]"),
+        ("/v1/completions", {**COMPLETION, "model": "tiny\ud800"}, "model"),
+        ("/v1/completions", {**COMPLETION, "user": {"\ud800": 1}}, "user.\\ud800"),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_the_field(address, path, fields, where):
+    # JSON may escape half of a UTF-16 pair ("\ud800") alone; that is no Unicode text any tokenizer can encode.
+    status, answer = post(address, path, fields)
+    assert status == 400, answer
+    assert_error(answer, "invalid_value")
+    assert answer["error"]["param"] == where.split(".")[0].split("[")[0]
+    assert answer["error"]["message"].startswith(f"`{where}` is not valid Unicode text: it holds a lone surrogate")
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**40])
+def test_a_seed_outside_64_bits_is_400_naming_its_range(address, seed):
+    status, answer = post(address, "/v1/completions", {**COMPLETION, "temperature": 1.0, "seed": seed})
+    assert status == 400, answer
+    assert_error(answer, "invalid_value")
+    assert answer["error"]["param"] == "seed"
+    assert "seed must be a 64-bit integer, in [-2**63, 2**64 - 1]" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1])
+def test_seeds_at_both_ends_of_the_range_are_served(address, seed):
+    status, answer = post(address, "/v1/completions", {**COMPLETION, "temperature": 1.0, "seed": seed})
+    assert status == 200, answer
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324])
+def test_a_tiny_temperature_answers_the_argmax_as_greedy(address, temperature):
+    # logits / T overflows float32: the limit of sampling as T -> 0, exactly, rather than NaN and an error.
+    greedy = post(address, "/v1/completions", COMPLETION)[1]["choices"][0]["text"]
+    fields = {**COMPLETION, "temperature": temperature, "seed": 5}
+    status, answer = post(address, "/v1/completions", fields)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == greedy
+    status, _, text = request(
+        address, "POST", "/v1/completions", json.dumps({**fields, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    chunks = [json.loads(event) for event in events(text)[:-1]]
+    assert status == 200 and all("error" not in chunk for chunk in chunks)
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == greedy
+
+
+# ------------------------------------------------------------------------------------------- big bodies
+
+JSON = {"Content-Type": "application/json"}
+
+
+def big_body(size: int) -> bytes:
+    """A valid completion request of about `size` bytes, padded with an unknown field (which is ignored)."""
+    return json.dumps({**COMPLETION, "padding": "w" * size}).encode()
+
+
+def test_a_body_above_the_limit_is_413_in_openai_schema(address):
+    status, _, text = request(address, "POST", "/v1/completions", big_body(8 << 20), JSON)
+    assert status == 413
+    answer = json.loads(text)
+    assert_error(answer, "request_too_large")
+    assert "4194304 bytes" in answer["error"]["message"] and "--max-body-bytes" in answer["error"]["message"]
+
+
+def test_a_chunked_body_above_the_limit_is_413_too(address):
+    body = big_body(8 << 20)
+    chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))  # no Content-Length to trust
+    status, _, text = request(address, "POST", "/v1/completions", chunks, JSON)
+    assert status == 413
+    assert_error(json.loads(text), "request_too_large")
+
+
+def test_a_body_below_the_limit_is_served(address):
+    status, _, text = request(address, "POST", "/v1/completions", big_body(3 << 20), JSON)
+    assert status == 200, text
+    assert json.loads(text)["usage"]["completion_tokens"] == 3
+
+
+def test_a_slow_tokenization_holds_up_no_other_request(address, engine, monkeypatch):
+    # A prompt of several MB takes seconds to tokenize; the tokenizer blocks its thread meanwhile, as here.
+    tokenizing = threading.Event()
+    tokenize = engine.text_prompt
+
+    def slow(prompt):
+        tokenizing.set()
+        time.sleep(3)
+        return tokenize(prompt)
+
+    monkeypatch.setattr(engine, "text_prompt", slow)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(post, address, "/v1/completions", COMPLETION)
+        assert tokenizing.wait(timeout=60)
+        began = time.monotonic()
+        status, _, _ = request(address, "GET", "/health")
+        answered_in = time.monotonic() - began
+        assert big.result(timeout=60)[0] == 200
+    assert status == 200
+    assert answered_in < 1.5  # not after the 3 s tokenization

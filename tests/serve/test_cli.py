@@ -34,3 +34,15 @@ def test_a_host_that_does_not_resolve_fails_before_any_model_loads(no_model_load
     error = capsys.readouterr().err
     assert error.startswith("flashdraft serve: error: --host 'no-such-host.invalid' does not resolve (")
     assert error.count("\n") == 1
+
+
+def test_a_body_limit_below_one_byte_fails_before_any_model_loads(no_model_loads, capsys):
+    assert main(["serve", "--no-draft", "--port", "8000", "--max-body-bytes", "0"]) == 2
+    assert capsys.readouterr().err == "flashdraft serve: error: --max-body-bytes must be at least 1, got 0\n"
+
+
+def test_the_default_body_limit_is_the_apps():
+    from flashdraft.commands import serve
+    from flashdraft.serve import app
+
+    assert serve.DEFAULT_MAX_BODY_BYTES == app.DEFAULT_MAX_BODY_BYTES == 4 << 20

@@ -5,6 +5,7 @@ raw HTTP only for what that client cannot send (malformed JSON, a missing field)
 import http.client
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -74,10 +75,9 @@ def raw(base: str, method: str, path: str, body: bytes | None = None, content_ty
         connection.close()
 
 
-@pytest.fixture(scope="module")
-def base(folders, tmp_path_factory):
+def start_server(folders, log_path) -> tuple[subprocess.Popen, str]:
+    """`flashdraft serve` on the saved tiny models, answering on a free loopback port: (process, base URL)."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("server-log") / "server.log"
     command = [
         sys.executable, "-m", "flashdraft.cli", "serve", "--target", str(folders[0]), "--draft", str(folders[1]),
         "--block-size", str(BLOCK_SIZE),
@@ -88,26 +88,38 @@ def base(folders, tmp_path_factory):
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"flashdraft serve exited with {process.returncode}:\n{log_path.read_text()}")
-            try:
-                if get(url, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"flashdraft serve did not answer within 180 s:\n{log_path.read_text()}")
-            time.sleep(0.25)
-        yield url
-    finally:
+    deadline = time.monotonic() + 180
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"flashdraft serve exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            if get(url, "/health")[0] == 200:
+                return process, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"flashdraft serve did not answer within 180 s:\n{log_path.read_text()}")
+        time.sleep(0.25)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
         process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def base(folders, tmp_path_factory):
+    process, url = start_server(folders, tmp_path_factory.mktemp("server-log") / "server.log")
+    try:
+        yield url
+    finally:
+        stop_server(process)
 
 
 @pytest.fixture(scope="module")
@@ -427,3 +439,59 @@ def test_full_queue_is_429_and_a_departed_client_frees_the_worker(client, base):
     # Each short answer took one round after its prefill (max_tokens 2): its decode_seconds is one round's time.
     seconds_per_round = statistics.median(a.model_extra["flashdraft"]["decode_seconds"] for a in answers)
     assert served_in < 1000 * seconds_per_round
+
+
+# ------------------------------------------------------------------------------------------- shutdown
+
+
+def send(base: str, path: str, fields: dict) -> http.client.HTTPConnection:
+    """A request sent and not yet read: the connection, to read from or to drop."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", path, body=json.dumps(fields).encode(), headers={"Content-Type": "application/json"})
+    return connection
+
+
+def answer(connection: http.client.HTTPConnection) -> tuple[int, str]:
+    response = connection.getresponse()
+    try:
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def test_sigterm_ends_the_server_within_seconds_whatever_its_clients_did(folders, tmp_path):
+    process, url = start_server(folders, tmp_path / "server.log")
+    health = lambda: get(url, "/health")[1]  # noqa: E731
+    long = {"messages": user(RUNS_LONG), "max_tokens": 4000, "temperature": 0}  # seconds of decoding
+    try:
+        # Two clients drop their (non-stream) requests: one running, one waiting.
+        dropped_running = send(url, "/v1/chat/completions", long)
+        wait_until(lambda: health()["running"] == 1)
+        dropped_waiting = send(url, "/v1/chat/completions", {"messages": user("w5"), "max_tokens": 2})
+        wait_until(lambda: health()["queued"] == 1)
+        dropped_running.close()
+        dropped_waiting.close()
+        wait_until(lambda: health()["cancelled"] == 2)
+        # Two stay: a long stream running, a request waiting behind it.
+        streaming = send(url, "/v1/chat/completions", {**long, "stream": True})
+        wait_until(lambda: health()["running"] == 1)
+        waiting = send(url, "/v1/completions", {"prompt": "w1", "max_tokens": 2})
+        wait_until(lambda: health()["queued"] == 1)
+
+        process.send_signal(signal.SIGTERM)
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(answer, connection) for connection in (streaming, waiting)]
+            (stream_status, stream_text), (waiting_status, waiting_text) = [a.result(timeout=30) for a in answers]
+        process.wait(timeout=10)
+    finally:
+        stop_server(process)
+    # A clean shutdown, after which uvicorn re-raises the signal so that the exit status tells it was SIGTERM.
+    log = (tmp_path / "server.log").read_text()
+    assert process.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log, log
+    # Both were told why, in OpenAI's schema: the stream in its last event, the waiting request as a 503.
+    assert stream_status == 200
+    stream_events = [event.removeprefix("data: ") for event in stream_text.split("\n\n") if event]
+    assert stream_events[-1] == "[DONE]"
+    assert json.loads(stream_events[-2])["error"]["code"] == "shutting_down"
+    assert waiting_status == 503 and json.loads(waiting_text)["error"]["code"] == "shutting_down"

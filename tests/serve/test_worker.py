@@ -7,7 +7,9 @@ import pytest
 
 import flashdraft
 from flashdraft.sampling import SamplingParams
-from flashdraft.serve.worker import Engine, Failed, Finished, Job, QueueFull, TextDelta, Worker
+from flashdraft.serve.worker import (
+    Cancelled, Engine, Failed, Finished, Job, QueueFull, ShuttingDown, TextDelta, Worker,
+)
 from tiny import tiny_draft, tiny_target, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
@@ -161,3 +163,40 @@ def test_jobs_still_waiting_at_shutdown_fail_with_their_own_code(engine):
 
     _, failure = asyncio.run(main())
     assert failure == Failed("the server is shutting down", code="shutting_down")
+
+
+def test_every_cancelled_job_ends_its_events(engine):
+    # Whoever waits on a job's events (a request handler) must be let go: a job's last event is its answer,
+    # a failure or Cancelled, never nothing.
+    async def main():
+        worker = Worker(engine, max_queue=3)
+        running, waiting = job([7, 8], max_tokens=400), job([9])
+        worker.submit(running)
+        worker.submit(waiting)
+        worker.start()
+        try:
+            assert isinstance(await asyncio.wait_for(running.events.get(), 60), TextDelta)
+            worker.cancel(waiting)
+            worker.cancel(running)
+            return (await collect(waiting, timeout=10))[1], (await collect(running, timeout=10))[1]
+        finally:
+            worker.stop()
+
+    assert asyncio.run(main()) == (Cancelled(), Cancelled())
+
+
+def test_stopping_fails_the_running_job_at_once_and_refuses_new_ones(engine):
+    async def main():
+        worker = Worker(engine, max_queue=2)
+        running = job([7, 8], max_tokens=400)
+        worker.submit(running)
+        worker.start()
+        assert isinstance(await asyncio.wait_for(running.events.get(), 60), TextDelta)
+        worker.stop(wait=False)  # as on SIGTERM: requests get their answer now, not when they would have ended
+        _, failure = await collect(running, timeout=10)
+        with pytest.raises(ShuttingDown, match="the server is shutting down"):
+            worker.submit(job([5]))
+        worker.stop()
+        return failure
+
+    assert asyncio.run(main()) == Failed("the server is shutting down", code="shutting_down")
