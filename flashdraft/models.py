@@ -204,7 +204,7 @@ def _is_complete(folder: Path, entry: RegisteredModel) -> bool:
         return False
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -215,7 +215,7 @@ def _file_sha256(path: Path) -> str:
 def _record_checksums(folder: Path) -> dict[str, dict]:
     """sha256 and size of every file of a prepared folder (the marker and the verification cache aside)."""
     skip = {COMPLETE_MARKER, VERIFIED_CACHE}
-    return {path.name: {"sha256": _file_sha256(path), "size": path.stat().st_size}
+    return {path.name: {"sha256": file_sha256(path), "size": path.stat().st_size}
             for path in sorted(folder.iterdir()) if path.is_file() and path.name not in skip}
 
 
@@ -243,7 +243,7 @@ def verify_prepared(folder: Path, name: str) -> None:
         stamp = [stat.st_size, stat.st_mtime_ns] if stat else None
         if stamp is not None and verified.get(file_name) == stamp:
             continue
-        if stat is None or stat.st_size != recorded["size"] or _file_sha256(path) != recorded["sha256"]:
+        if stat is None or stat.st_size != recorded["size"] or file_sha256(path) != recorded["sha256"]:
             problem = "is missing" if stat is None else "does not match the checksum recorded when it was prepared"
             raise ValueError(
                 f"the prepared model folder {folder} is damaged: {file_name} {problem}. Delete the folder "

@@ -104,8 +104,8 @@ def test_a_prepared_folder_is_verified_and_hashed_again_only_after_a_change(tmp_
 
     folder = fake_prepared(tmp_path, monkeypatch)
     hashed = []
-    real = models._file_sha256
-    monkeypatch.setattr(models, "_file_sha256", lambda path: hashed.append(path.name) or real(path))
+    real = models.file_sha256
+    monkeypatch.setattr(models, "file_sha256", lambda path: hashed.append(path.name) or real(path))
     assert prepare(NAME) == folder
     assert prepare(NAME) == folder
     assert hashed == []  # unchanged since the last match: stat only

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import torch
 from transformers import (
@@ -158,3 +159,28 @@ def tiny_tokenizer(vocab_size: int = 96) -> PreTrainedTokenizerFast:
         "{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}"
     )
     return tokenizer
+
+
+@contextmanager
+def serve_in_thread(app, *, timeout: float = 60.0):
+    """Run an ASGI app with uvicorn in a daemon thread on a free loopback port; yields its (host, port)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield listening.getsockname()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -22,7 +22,6 @@ so far (by mean tau) is kept; the output folder receives it in the DFlash checkp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -42,6 +41,7 @@ from tqdm.auto import tqdm
 from ..bench.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
+from ..models import file_sha256
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
@@ -179,14 +179,6 @@ class NonFiniteStep(Exception):
     """An optimizer step whose loss or gradient norm is not finite (it was not applied)."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _checksum_path(checkpoint: Path) -> Path:
     return checkpoint.with_suffix(".json")
 
@@ -228,7 +220,7 @@ def read_checkpoint(path: Path) -> dict:
         raise DamagedCheckpoint(f"its checksum file {record_path.name} holds no checksum")
     if size != record.get("bytes"):
         raise DamagedCheckpoint(f"it has {size} bytes where {record.get('bytes')} were written (truncated?)")
-    if _sha256(path) != record.get("sha256"):
+    if file_sha256(path) != record.get("sha256"):
         raise DamagedCheckpoint("its sha256 differs from the one recorded when it was written")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -626,7 +618,7 @@ class Trainer:
             # The checksum is of the bytes on disk, and goes in place first: a checkpoint always has its checksum
             # file (a kill between the two renames leaves a checksum file alone, or a stale one that resume reports).
             record = {"format": CHECKPOINT_FORMAT, "step": self.step, "bytes": temporary.stat().st_size,
-                      "sha256": _sha256(temporary)}
+                      "sha256": file_sha256(temporary)}
             _write_json_atomic(_checksum_path(path), record)
             os.replace(temporary, path)
             for old in sorted(folder.glob("step-*.pt"))[: -self.config.keep_checkpoints]:

@@ -14,7 +14,7 @@ import uvicorn
 
 from flashdraft.serve import Engine, create_app
 from flashdraft.serve import worker as worker_module
-from tiny import tiny_draft, tiny_target, tiny_tokenizer
+from tiny import serve_in_thread, tiny_draft, tiny_target, tiny_tokenizer
 
 CONTEXT = 512
 COMPLETION = {"prompt": "w1 w2", "max_tokens": 3, "temperature": 0}
@@ -29,18 +29,8 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="module")
 def address(engine):
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, max_queue=4), log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield listening.getsockname()
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(create_app(engine, max_queue=4)) as address:
+        yield address
 
 
 def request(address, method: str, path: str, body=None, headers: dict | None = None):

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from flashdraft.serve import Engine, create_app
-from tiny import tiny_draft, tiny_target, tiny_tokenizer
+from tiny import serve_in_thread, tiny_draft, tiny_target, tiny_tokenizer
 
 SEED = 20240611
 REQUESTS = 150  # generated, plus the fixed cases below
@@ -181,18 +181,8 @@ FIXED = [  # the faults the fuzzing found first, and bodies above the size limit
 def address():
     target = tiny_target(max_positions=CONTEXT)
     engine = Engine.from_models(target, tiny_tokenizer(), tiny_draft(target, block_size=4), name="tiny", block_size=4)
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, max_queue=4), log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield listening.getsockname()
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(create_app(engine, max_queue=4)) as address:
+        yield address
 
 
 def send(address, method: str, path: str, body: bytes | None, headers: dict) -> tuple[int, str]:
