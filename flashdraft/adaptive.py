@@ -4,7 +4,8 @@ A round that verifies b tokens (the anchor and b-1 proposals) costs one b-token 
 pass, and yields on average E(b) = 1 + sum_{k<b} a_1 * ... * a_k tokens, where a_k is the chance that proposal k
 is accepted given that the ones before it were. The target's forward time for b tokens is measured once per
 model, dtype, device and thread count and cached on disk, and so is the draft's time for one pass; the
-acceptance rates are tracked as generation goes. The chosen size is the b in 1..B maximising E(b) / cost(b): b = 1 turns speculation off,
+acceptance rates are tracked as generation goes. The chosen size is the b in 1..B maximising E(b) / cost(b):
+b = 1 turns speculation off,
 so a draft that does not help cannot make decoding much slower than plain decoding. While speculation is off,
 a probe round at full size every so often (less often each time the probe does not pay) keeps the estimates
 fresh.

@@ -145,7 +145,7 @@ class TokenStream:
     def close(self) -> None:
         self._rounds.close()
 
-    def __enter__(self) -> "TokenStream":
+    def __enter__(self) -> TokenStream:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -289,7 +289,7 @@ class DFlashDraftModel(PreTrainedModel):
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
         attn_implementation: str = "sdpa",
-    ) -> "DFlashDraftModel":
+    ) -> DFlashDraftModel:
         """A fresh, randomly initialised draft shaped for `target_config` (hidden size, heads, RoPE, vocab)."""
         target_config = target_config.get_text_config()
         num_target_layers = target_config.num_hidden_layers
@@ -323,7 +323,7 @@ class DFlashDraftModel(PreTrainedModel):
         return cls(config)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "DFlashDraftModel":
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> DFlashDraftModel:
         """Load a DFlash draft folder (or hub id). Local folders are checked first so that a wrong folder gets
         an error naming the problem rather than a silently half-initialised model."""
         path = Path(pretrained_model_name_or_path)

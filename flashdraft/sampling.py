@@ -27,7 +27,6 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-
 # The seeds a torch generator takes: any signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 

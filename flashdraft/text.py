@@ -2,9 +2,10 @@
 tokens back to text deltas.
 
 Incremental text: tokens arrive a round at a time. Each time, the whole generated sequence is decoded again and
-the new suffix is the delta, so the concatenated deltas always equal `tokenizer.decode(tokens)`: a character split over several
-byte-level tokens (an emoji, most non-Latin text) decodes to U+FFFD until its last byte arrives, so trailing
-U+FFFD is held back rather than sent. Re-decoding costs O(n) per round, small next to a model forward.
+the new suffix is the delta, so the concatenated deltas always equal `tokenizer.decode(tokens)`: a character
+split over several byte-level tokens (an emoji, most non-Latin text) decodes to U+FFFD until its last byte
+arrives, so trailing U+FFFD is held back rather than sent. Re-decoding costs O(n) per round, small next to a
+model forward.
 
 Stop strings are matched on the decoded text. The text of a stop string is never sent, and neither is a tail
 that could still grow into one, so a stream never shows text that a later round turns out to have ended on.

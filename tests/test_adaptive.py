@@ -9,6 +9,7 @@ import flashdraft.decoding as decoding
 from flashdraft.adaptive import BlockSizeController, VerifyCosts, cached_costs, measure_verify_costs
 from flashdraft.decoding import DFlashProposer
 from flashdraft.target import TargetModel
+
 from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target
 
 # A CPU-like cost curve: a 16-token forward costs 1.8 one-token forwards.

@@ -7,6 +7,7 @@ from flashdraft.cli import main
 from flashdraft.commands.generate import statistics_line
 from flashdraft.decoding import GenerationResult
 from flashdraft.text import encode_chat
+
 from tiny import greedy_reference, tiny_draft, tiny_target, tiny_tokenizer
 
 
@@ -82,7 +83,8 @@ def test_bad_input_is_reported_without_a_traceback(folders, capsys):
         (["generate", "w1", *base, "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["generate", "w1", *base, "--max-new-tokens", "-2"], "max_new_tokens must be an integer >= 0"),
         (["generate", "w1", "--target", str(root / "missing"), "--block-size", "1"], "neither an existing folder"),
-        (["generate", "w1", "--target", str(root / "target"), "--draft", str(root / "target")], "is not a DFlash draft"),
+        (["generate", "w1", "--target", str(root / "target"), "--draft", str(root / "target")],
+         "is not a DFlash draft"),
         (["generate", "w1", *base, "--block-size", "0"], "--block-size must be at least 1"),
         (["generate", "w1", *base, "--device", "nosuch"], "unknown device 'nosuch': devices here are cpu"),
     ]

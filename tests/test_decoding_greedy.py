@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashdraft
+
 from tiny import (
     ARCHITECTURES,
     OracleProposer,

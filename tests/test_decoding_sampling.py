@@ -15,6 +15,7 @@ import torch
 import flashdraft
 import flashdraft.decoding as decoding
 from flashdraft.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+
 from tiny import tiny_draft, tiny_target
 
 SAMPLES = 20_000

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from flashdraft import DFlashDraftModel, default_target_layer_ids
 from flashdraft.draft import DraftCache
+
 from tiny import tiny_draft, tiny_target
 
 
@@ -114,7 +115,8 @@ def test_attention_is_not_causal_within_the_block():
     noise, features, positions = random_inputs(draft)
     changed = noise.clone()
     changed[0, -1] += 1.0
-    assert (draft(changed, features, positions[None])[0, 0] - draft(noise, features, positions[None])[0, 0]).abs().max() > 1e-4
+    difference = draft(changed, features, positions[None])[0, 0] - draft(noise, features, positions[None])[0, 0]
+    assert difference.abs().max() > 1e-4
 
 
 def test_cached_context_gives_the_same_block_as_the_whole_context_at_once():

@@ -3,6 +3,7 @@
 import pytest
 
 import flashdraft
+
 from tiny import tiny_draft, tiny_target
 
 TARGET = tiny_target("llama", max_positions=64)
@@ -80,7 +81,8 @@ def test_negative_top_k():
 
 
 def test_prompt_plus_new_tokens_beyond_the_target_positions():
-    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) plus max_new_tokens \(62\) exceeds the target's maximum of 64"):
+    message = r"prompt \(3 tokens\) plus max_new_tokens \(62\) exceeds the target's maximum of 64"
+    with pytest.raises(ValueError, match=message):
         generate(max_new_tokens=62)
     assert len(generate(max_new_tokens=61).tokens) == 61  # the exact limit is fine
 

@@ -8,6 +8,7 @@ import torch
 from flashdraft.cli import main
 from flashdraft.draft import DFlashDraftModel
 from flashdraft.models import COMPLETE_MARKER, REGISTRY, load_draft, load_target, prepare, verify_prepared
+
 from tiny import tiny_draft, tiny_target, tiny_tokenizer
 
 NAME = "smollm2-135m-instruct"
@@ -123,5 +124,5 @@ def test_a_corrupted_prepared_target_stops_generate_in_one_line(tmp_path, monkey
     (folder / "config.json").write_text("{}")
     assert main(["generate", "hi", "--block-size", "1"]) == 2
     err = capsys.readouterr().err
-    assert f"config.json does not match the checksum recorded when it was prepared. Delete the folder" in err
+    assert "config.json does not match the checksum recorded when it was prepared. Delete the folder" in err
     assert f"flashdraft models prepare {NAME}" in err and "Traceback" not in err

@@ -68,6 +68,7 @@ from flashdraft.train.blocks import TrainingSequence  # noqa: E402
 from flashdraft.train.features import OnlineFeatures  # noqa: E402
 from flashdraft.train.records import TrainingRecord  # noqa: E402
 from flashdraft.train.trainer import TrainConfig, Trainer  # noqa: E402
+
 from tiny import (  # noqa: E402
     ARCHITECTURES,
     OracleProposer,
@@ -328,7 +329,7 @@ class ForwardTimer:
         self.seconds = dict.fromkeys(modules, 0.0)
         self.calls = dict.fromkeys(modules, 0)
 
-    def __enter__(self) -> "ForwardTimer":
+    def __enter__(self) -> ForwardTimer:
         self.handles, self.began = [], {}
         for name, module in self.modules.items():
             self.handles.append(module.register_forward_pre_hook(lambda *_, n=name: self._start(n)))
@@ -592,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     known = {"greedy-float32", "greedy-bfloat16", "sampling", "speed", "training"}
     stages = [s for s in args.stages.split(",") if s]
     if set(stages) - known:
-        parser.error(f"unknown stage(s) {', '.join(sorted(set(stages) - known))}: choose from {', '.join(sorted(known))}")
+        unknown = ", ".join(sorted(set(stages) - known))
+        parser.error(f"unknown stage(s) {unknown}: choose from {', '.join(sorted(known))}")
     for stage in stages:
         allowance = plan.allowance[stage]
         if stage == "speed":

@@ -186,11 +186,13 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=60)
-    mode = "no draft" if args.no_draft else ("fresh untrained draft" if args.fresh_draft else f"draft {draft or 'shipped'}")
+    mode = "no draft" if args.no_draft else (
+        "fresh untrained draft" if args.fresh_draft else f"draft {draft or 'shipped'}"
+    )
     print(f"\n{args.target}, {mode}, max_tokens {args.max_tokens}, greedy, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}\n")
-    print("| concurrency | requests | requests/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | tau | errors "
-          "| load avg |")
+    print("| concurrency | requests | requests/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | tau "
+          "| errors | load avg |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -18,8 +18,16 @@ from pathlib import Path
 import torch
 
 from flashdraft.models import load_target
-from flashdraft.train import EvalIndex, label_responses, load_eval_sets, load_sources, mix_prompts, regenerate
-from flashdraft.train import read_records, remove_overlaps
+from flashdraft.train import (
+    EvalIndex,
+    label_responses,
+    load_eval_sets,
+    load_sources,
+    mix_prompts,
+    read_records,
+    regenerate,
+    remove_overlaps,
+)
 from flashdraft.train.sources import DEFAULT_PROPORTIONS
 
 

@@ -118,7 +118,7 @@ def main() -> None:
             trainer = Trainer(draft, model, sequences, store, Path(folder) / name, train_config,
                               vocabulary=vocabulary, progress=False)
             trainer.train_step()  # warm-up
-            steps, wall, cpu = timed(lambda: [trainer.train_step() for _ in range(args.steps)])
+            steps, wall, cpu = timed(lambda trainer=trainer: [trainer.train_step() for _ in range(args.steps)])
             blocks = sum(s["blocks"] for s in steps)
             seq_tokens = sum(s["tokens"] for s in steps)
             results["training"][name] = {

@@ -106,7 +106,8 @@ class Reference(Method):
 
     def __init__(self, target: PreTrainedModel, draft: DFlashDraftModel):
         try:
-            from dflash.model import DFlashDraftModel as ReferenceDraft, dflash_generate
+            from dflash.model import DFlashDraftModel as ReferenceDraft
+            from dflash.model import dflash_generate
         except ImportError:
             raise ValueError(
                 "method 'reference' needs the reference implementation: "

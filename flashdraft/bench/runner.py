@@ -68,7 +68,7 @@ class TargetProbe:
         self.starts: list[int] = []
         self.first_forward_end: float | None = None
 
-    def __enter__(self) -> "TargetProbe":
+    def __enter__(self) -> TargetProbe:
         self.handles = [
             self.model.register_forward_pre_hook(self._before, with_kwargs=True),
             self.model.register_forward_hook(self._after),

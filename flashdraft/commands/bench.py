@@ -155,8 +155,13 @@ def run_replay(args: argparse.Namespace) -> int:
     """`--replay`: tau per dataset and block size from the target's batched greedy answers."""
     from tqdm.auto import tqdm
 
-    from flashdraft.bench.replay import (cached_greedy_answers, markdown_replay_table, replay, replay_text,
-                                         summarize_replay)
+    from flashdraft.bench.replay import (
+        cached_greedy_answers,
+        markdown_replay_table,
+        replay,
+        replay_text,
+        summarize_replay,
+    )
     from flashdraft.decoding import DFlashProposer
     from flashdraft.models import load_draft, load_target
     from flashdraft.target import TargetModel

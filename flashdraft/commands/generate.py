@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
                                                                                     dtype=dtype)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
-    input_ids = encode_chat(tokenizer, messages, chat_template=not args.no_chat_template and bool(tokenizer.chat_template))
+    chat_template = not args.no_chat_template and bool(tokenizer.chat_template)
+    input_ids = encode_chat(tokenizer, messages, chat_template=chat_template)
     tokens = stream(
         target, draft, input_ids,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
         help="tokens per verification: the anchor plus block-size - 1 proposals (default: chosen round by round "
         "for the most tokens per second, never above the draft's own block size)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
         "--max-queue", type=int, default=64,

@@ -29,9 +29,8 @@ from ..decoding import check_compatible, stream
 from ..draft import DFlashDraftModel
 from ..sampling import SamplingParams
 from ..target import TargetModel
-from ..text import encode_chat, stop_token_ids
+from ..text import IncrementalText, encode_chat, stop_token_ids
 from .schemas import Statistics
-from ..text import IncrementalText
 
 logger = logging.getLogger("flashdraft.serve")
 
@@ -56,7 +55,7 @@ class Engine:
         *,
         name: str,
         block_size: int | str | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """Check the models fit together (at start-up, not on the first request); generation stops on the
         tokenizer's eos token and the generation config's eos ids (chat models put end-of-turn there)."""
         target = TargetModel(model)

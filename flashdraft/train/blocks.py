@@ -44,7 +44,7 @@ class TrainingSequence:
     topk_probs: torch.Tensor | None = None  # [L, K] float16
 
     @classmethod
-    def from_record(cls, record: TrainingRecord, max_length: int) -> "TrainingSequence":
+    def from_record(cls, record: TrainingRecord, max_length: int) -> TrainingSequence:
         length = min(len(record.input_ids), max_length)
         start = record.response_start
         labels = torch.full((length,), IGNORE, dtype=torch.long)

@@ -117,7 +117,7 @@ def build_feature_store(
     dtype: str = "float16",
     batch_size: int = 8,
     progress: bool = True,
-) -> "FeatureStore":
+) -> FeatureStore:
     """Compute the features of every sequence once and store them in `folder` (resumable; see the module doc).
 
     A folder built for other sequences, another target or other layers is refused rather than mixed, and so is one
@@ -139,7 +139,7 @@ def build_feature_store(
 
 
 def _build_feature_store(model, sequences, folder: Path, layer_ids, dtype: str, batch_size: int,
-                         progress: bool) -> "FeatureStore":
+                         progress: bool) -> FeatureStore:
     torch_dtype, numpy_dtype = STORAGE_DTYPES[dtype]
     width = len(layer_ids) * model.config.get_text_config().hidden_size
     offsets = np.cumsum([0] + [len(s) for s in sequences]).tolist()

@@ -52,7 +52,7 @@ class DraftVocabulary:
     full_to_draft: torch.Tensor  # [V] index into `ids`, -1 for tokens outside
 
     @classmethod
-    def from_ids(cls, ids: torch.Tensor | Sequence[int], vocab_size: int) -> "DraftVocabulary":
+    def from_ids(cls, ids: torch.Tensor | Sequence[int], vocab_size: int) -> DraftVocabulary:
         ids = torch.as_tensor(ids, dtype=torch.long).unique(sorted=True)
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
             raise ValueError(
@@ -65,7 +65,7 @@ class DraftVocabulary:
     @classmethod
     def most_frequent(
         cls, sequences: Sequence[TrainingSequence], size: int, vocab_size: int
-    ) -> tuple["DraftVocabulary", float]:
+    ) -> tuple[DraftVocabulary, float]:
         """The `size` tokens most frequent among the labels of `sequences` (ties: lower id first), and the share of
         labels they cover."""
         if not 0 < size <= vocab_size:

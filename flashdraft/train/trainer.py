@@ -46,8 +46,8 @@ from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
 from .features import FeatureSource
-from .records import ensure_free_space
 from .loss import DEFAULT_CHUNK, DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
+from .records import ensure_free_space
 
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_FORMAT = 2  # 2: read with weights_only=True, checksum beside it (1, pickled objects, is refused)
@@ -247,7 +247,7 @@ class Trainer:
         sequences: Sequence[TrainingSequence],
         features: FeatureSource,
         run_dir: str | Path,
-        config: TrainConfig = TrainConfig(),
+        config: TrainConfig | None = None,
         *,
         vocabulary: DraftVocabulary | None = None,
         heldout: Sequence[TrainingSequence] = (),
@@ -256,6 +256,7 @@ class Trainer:
         distributed: Distributed | None = None,
         progress: bool = True,
     ):
+        config = config or TrainConfig()
         self.target = TargetModel(target)
         check_compatible(draft, self.target)
         if draft.config.vocab_size != self.target.vocab_size:

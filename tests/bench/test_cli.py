@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import flashdraft
+from bench.tiny_bench import save_tiny_bench_folders
 from flashdraft.bench.methods import reference_available
 from flashdraft.cli import main
-from bench.tiny_bench import save_tiny_bench_folders
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,6 +12,7 @@ from flashdraft.bench.datasets import (
     get_dataset,
 )
 from flashdraft.text import encode_chat as encode
+
 from tiny import tiny_tokenizer
 
 

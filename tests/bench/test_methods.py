@@ -9,6 +9,7 @@ import torch
 from flashdraft.bench import methods as methods_module
 from flashdraft.bench.methods import DecodeSettings, build_methods, reference_available
 from flashdraft.text import stop_token_ids
+
 from tiny import greedy_reference, tiny_draft, tiny_target, tiny_tokenizer
 
 MASK = 1

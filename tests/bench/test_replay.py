@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import flashdraft
+from bench.tiny_bench import MASK, save_tiny_bench_folders
 from flashdraft.bench.replay import greedy_answers, replay, replay_text
 from flashdraft.cli import main
 from flashdraft.decoding import DFlashProposer
 from flashdraft.target import TargetModel
-from bench.tiny_bench import MASK, save_tiny_bench_folders
+
 from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target
 
 

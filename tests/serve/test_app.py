@@ -4,16 +4,15 @@ server included, answered with a code."""
 
 import http.client
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import uvicorn
 
 from flashdraft.serve import Engine, create_app
 from flashdraft.serve import worker as worker_module
+
 from tiny import serve_in_thread, tiny_draft, tiny_target, tiny_tokenizer
 
 CONTEXT = 512

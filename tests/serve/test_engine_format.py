@@ -22,6 +22,7 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft import DFlashDraftModel
+
 from tiny import tiny_target
 
 # Config fields both engines read from the top level of config.json.
@@ -95,7 +96,8 @@ def test_fields_the_engines_read_are_present_with_the_right_values(saved):
     assert config["hidden_act"] == "silu"  # SGLang supports nothing else
     assert config["num_hidden_layers"] == 3
     assert config["layer_types"] == ["full_attention"] * 3  # full: vLLM and SGLang make it non-causal
-    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == target_config.rope_parameters["rope_theta"]
+    theta = target_config.rope_parameters["rope_theta"]
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == theta
     assert config["block_size"] == 16
     assert config["num_target_layers"] == target_config.num_hidden_layers
     assert config["dflash_config"]["mask_token_id"] == 5

@@ -8,15 +8,13 @@ The app runs in this process (uvicorn in a thread, loopback only) over tiny rand
 import http.client
 import json
 import random
-import socket
 import string
-import threading
 import time
 
 import pytest
-import uvicorn
 
 from flashdraft.serve import Engine, create_app
+
 from tiny import serve_in_thread, tiny_draft, tiny_target, tiny_tokenizer
 
 SEED = 20240611

@@ -53,8 +53,10 @@ def test_unsupported_fields_only_at_a_non_neutral_value(fields, unsupported):
 
 def test_union_errors_name_the_field_where_the_alternatives_part():
     error = RequestValidationError([
-        {"type": "string_type", "loc": ("body", "messages", 0, "content", "str"), "msg": "Input should be a valid string"},
-        {"type": "list_type", "loc": ("body", "messages", 0, "content", "list[TextPart]"), "msg": "Input should be a valid list"},
+        {"type": "string_type", "loc": ("body", "messages", 0, "content", "str"),
+         "msg": "Input should be a valid string"},
+        {"type": "list_type", "loc": ("body", "messages", 0, "content", "list[TextPart]"),
+         "msg": "Input should be a valid list"},
         {"type": "float_type", "loc": ("body", "temperature"), "msg": "Input should be a valid number"},
     ])
     body = _validation_error(error).body.error

@@ -19,6 +19,7 @@ import pytest
 import flashdraft
 from flashdraft.models import load_draft, load_target
 from flashdraft.text import encode_chat, stop_token_ids
+
 from tiny import tiny_draft, tiny_target, tiny_tokenizer
 
 MODEL = "tiny"

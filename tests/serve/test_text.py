@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from flashdraft.text import INCOMPLETE, IncrementalText
+
 from tiny import tiny_tokenizer
 
 MULTIBYTE = "héllo 🙂 wörld 日本"
@@ -108,5 +109,6 @@ def test_word_level_tokenizer_joins_words_with_spaces():
 
 def test_text_module_needs_no_server_packages():
     # `flashdraft generate` uses IncrementalText and must work without the serve extra.
-    code = "import sys; sys.modules.update(fastapi=None, starlette=None, uvicorn=None); import flashdraft.text, flashdraft.commands.generate, flashdraft.cli; flashdraft.cli.build_parser()"
+    code = ("import sys; sys.modules.update(fastapi=None, starlette=None, uvicorn=None); "
+            "import flashdraft.text, flashdraft.commands.generate, flashdraft.cli; flashdraft.cli.build_parser()")
     subprocess.run([sys.executable, "-c", code], check=True)

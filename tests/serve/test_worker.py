@@ -8,8 +8,17 @@ import pytest
 import flashdraft
 from flashdraft.sampling import SamplingParams
 from flashdraft.serve.worker import (
-    Cancelled, Engine, Failed, Finished, Job, QueueFull, ShuttingDown, TextDelta, Worker,
+    Cancelled,
+    Engine,
+    Failed,
+    Finished,
+    Job,
+    QueueFull,
+    ShuttingDown,
+    TextDelta,
+    Worker,
 )
+
 from tiny import tiny_draft, tiny_target, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()

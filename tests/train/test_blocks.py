@@ -8,8 +8,9 @@ from flashdraft.decoding import DFlashProposer
 from flashdraft.target import TargetModel
 from flashdraft.train.blocks import IGNORE, TrainingSequence, block_attention_mask, make_blocks, sample_anchors
 from flashdraft.train.records import TrainingRecord
-from tiny import tiny_draft, tiny_target
 from train.tiny_training import one_thread  # noqa: F401
+
+from tiny import tiny_draft, tiny_target
 
 MASK = 1
 BLOCK = 8

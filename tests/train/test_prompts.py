@@ -17,6 +17,7 @@ from flashdraft.train.prompts import (
     user_prompt,
     write_prompt_file,
 )
+
 from tiny import tiny_tokenizer
 
 GOOD_AND_BAD_LINES = [

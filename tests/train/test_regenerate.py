@@ -15,6 +15,7 @@ from flashdraft.train.labels import label_responses
 from flashdraft.train.prompts import Prompt, encode_prompt, user_prompt
 from flashdraft.train.records import read_meta, read_records
 from flashdraft.train.regenerate import regenerate, stop_token_ids
+
 from tiny import greedy_reference, tiny_target, tiny_tokenizer
 
 MAX_NEW = 12

@@ -11,8 +11,9 @@ from flashdraft.cli import build_parser, main
 from flashdraft.commands.train import exact_command
 from flashdraft.draft import DFlashDraftModel, check_draft_folder
 from flashdraft.train.records import read_records
-from tiny import tiny_target, tiny_tokenizer
 from train.tiny_training import one_thread  # noqa: F401
+
+from tiny import tiny_target, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +178,7 @@ def test_every_option_has_help_and_the_exact_command_reproduces_the_arguments(tm
 def test_trained_draft_decodes_losslessly(target_folder, tmp_path):
     import flashdraft
     from flashdraft.models import load_draft, load_target
+
     from tiny import greedy_reference
 
     prompt_file(tmp_path / "prompts.jsonl")

@@ -1,6 +1,6 @@
 """The trainer on tiny models: it learns, resumes a killed run to the same weights, accumulates exactly, stores
-features offline equal to online ones, evaluates by replayed speculative decoding (equal to the real loop), keeps the best draft, writes the
-output folder, and stops bad input before any work."""
+features offline equal to online ones, evaluates by replayed speculative decoding (equal to the real loop), keeps
+the best draft, writes the output folder, and stops bad input before any work."""
 
 import json
 import math
@@ -12,14 +12,14 @@ import torch
 
 import flashdraft
 from flashdraft import DFlashDraftModel
-from flashdraft.draft import check_draft_folder
 from flashdraft.bench.replay import greedy_answers
+from flashdraft.draft import check_draft_folder
 from flashdraft.train import features as features_module
-from flashdraft.train.blocks import TrainingSequence
-from flashdraft.train.records import TrainingRecord
 from flashdraft.train import trainer as trainer_module
+from flashdraft.train.blocks import TrainingSequence
 from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store, check_feature_layers
 from flashdraft.train.loss import DraftVocabulary
+from flashdraft.train.records import TrainingRecord
 from flashdraft.train.trainer import TrainConfig, Trainer, _lr_factor, init_from_target, save_trained_draft
 from train.tiny_training import FEATURE_LAYERS, MASK, VOCAB, one_thread, pattern_sequences, target_and_draft  # noqa: F401
 

@@ -10,6 +10,7 @@ import torch
 from flashdraft import DFlashDraftModel
 from flashdraft.train.blocks import TrainingSequence
 from flashdraft.train.records import TrainingRecord
+
 from tiny import tiny_target
 
 MASK = 1
