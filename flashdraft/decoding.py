@@ -8,7 +8,8 @@ Batch size 1.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,6 +21,16 @@ from .adaptive import BlockSizeController, cached_costs
 from .draft import DFlashDraftModel, DraftCache
 from .sampling import SamplingParams, accept_greedy, accept_sampled, check_seed, probabilities, sample
 from .target import TargetModel
+
+
+def tau(acceptance_lengths: Sequence[int]) -> float:
+    """Mean acceptance length (tokens per target verification); 0.0 when there were no rounds."""
+    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else 0.0
+
+
+def acceptance_histogram(acceptance_lengths: Iterable[int]) -> dict[int, int]:
+    """Acceptance length -> number of rounds, by increasing length."""
+    return dict(sorted(Counter(acceptance_lengths).items()))
 
 
 @dataclass
@@ -36,7 +47,7 @@ class GenerationResult:
     @property
     def tau(self) -> float:
         """Mean acceptance length: tokens per target verification."""
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+        return tau(self.acceptance_lengths)
 
     @property
     def time_to_first_token(self) -> float:

@@ -8,6 +8,8 @@ negative count of tokens to drop.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -91,3 +93,71 @@ class TargetModel:
         """Drop the last `num_tokens` positions of `cache` (the rejected part of a verified block)."""
         if num_tokens > 0:
             cache.crop(-num_tokens)
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompt_ids: Sequence[list[int]],
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        pad_token_id: int = 0,
+        on_logits: Callable[[list[int], torch.Tensor], None] | None = None,
+    ) -> list[list[int]]:
+        """Decode several prompts together: left-padded, one prefill, then one token per step with a KV cache; a
+        row that emits a stop token leaves the batch at once (its cache rows go too). Greedy at temperature 0 (each
+        row what `generate` gives it alone, but for near-ties that padding can flip), else a draw from
+        softmax(logits / T) with `generator`. `on_logits(rows, logits)` sees every step's [b_live, V] logits with
+        the prompt index of each row, before the tokens are picked. Returns each prompt's new token ids (a stop
+        token included when one ended it)."""
+        device = self.device
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long, device=device)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, device=device)
+            attention_mask[row, width - len(ids) :] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [b, width]: pads sit at position 0
+        next_position = attention_mask.sum(-1)  # [b] position of each row's next token
+        rows = torch.arange(len(prompt_ids), device=device)  # prompt index of each row still decoding
+        stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
+        responses: list[list[int]] = [[] for _ in prompt_ids]
+
+        cache = self.new_cache()
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]  # [b, V]
+        for step in range(max_new_tokens):
+            live_rows = rows.tolist()
+            if on_logits is not None:
+                on_logits(live_rows, logits)
+            tokens = _pick_tokens(logits, temperature, generator)  # [b_live]
+            for row, token in zip(live_rows, tokens.tolist()):
+                responses[row].append(token)
+            keep = ~torch.isin(tokens, stop)
+            if step == max_new_tokens - 1 or not keep.any():
+                break
+            if not keep.all():  # finished rows leave the batch: their cache rows go too
+                kept = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(kept)
+                rows, tokens, attention_mask, next_position = (
+                    rows[kept], tokens[kept], attention_mask[kept], next_position[kept],
+                )
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=-1)
+            logits = self.model(
+                input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position[:, None],
+                cache=cache, use_cache=True,
+            ).logits[:, -1]
+            next_position = next_position + 1
+        return responses
+
+
+def _pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """[b, V] logits -> [b] next tokens: argmax at temperature 0, else a sample from softmax(logits / T)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)

@@ -1,4 +1,5 @@
-"""`flashdraft bench`: datasets, the methods compared, the interleaved runner, metrics and the report."""
+"""`flashdraft bench`: the methods compared, the interleaved runner, metrics and the report (the evaluation sets and
+replay live in `flashdraft.evaluation`)."""
 
 # The methods `flashdraft.bench.methods` builds, named here so the command line can list them without importing
 # torch (its modules import it at the top).

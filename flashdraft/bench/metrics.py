@@ -12,23 +12,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from ..decoding import acceptance_histogram, tau
 from .runner import Record
 
 BASELINE = "ar"
-
-
-def tau(acceptance_lengths: Sequence[int]) -> float:
-    """Mean acceptance length; 0.0 when there were no rounds."""
-    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else 0.0
-
-
-def acceptance_histogram(acceptance_lengths: Iterable[int]) -> dict[int, int]:
-    """Acceptance length -> number of rounds, by increasing length."""
-    return dict(sorted(Counter(acceptance_lengths).items()))
 
 
 def decode_tokens_per_second(records: Sequence[Record]) -> float:

@@ -21,8 +21,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from ..evaluation.datasets import Sample
 from ..text import encode_chat
-from .datasets import Sample
 from .methods import DecodeSettings, Method
 
 WARMUP_TOKENS = 16

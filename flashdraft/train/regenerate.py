@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from .. import text
+from ..target import TargetModel
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
 
@@ -48,15 +48,6 @@ def top_k_of(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[f
     return ids.tolist(), [[round(p, 6) for p in row] for row in probs.tolist()]
 
 
-def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """[b, V] logits -> [b] next tokens: argmax at temperature 0, else a sample from softmax(logits / T)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
-
-
-@torch.no_grad()
 def generate_batch(
     model,
     prompt_ids: Sequence[list[int]],
@@ -67,64 +58,20 @@ def generate_batch(
     top_k: int = 0,
     pad_token_id: int = 0,
 ) -> tuple[list[list[int]], list[tuple[list[list[int]], list[list[float]]]] | None]:
-    """Decode a batch of prompts (left-padded, one prefill, then one token per step with a KV cache).
-
-    Returns the response ids of each prompt (a stop token included when one ended it) and, when `top_k` > 0, for
-    each prompt the top-k ids and probabilities at every response position.
-    """
-    device = model.device
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long, device=device)
-    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long, device=device)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids, device=device)
-        attention_mask[row, width - len(ids) :] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [b, width]: pads sit at position 0
-    next_position = attention_mask.sum(-1)  # [b] position of each row's next token
-    rows = torch.arange(len(prompt_ids), device=device)  # original row of each row still decoding
-    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
-    responses: list[list[int]] = [[] for _ in prompt_ids]
+    """The target's answers to a batch of prompts (`TargetModel.generate_batch`) and, when `top_k` > 0, for each
+    prompt the top-k ids and probabilities at every response position."""
     top: list[tuple[list, list]] = [([], []) for _ in prompt_ids]
 
-    cache = DynamicCache(config=model.config)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]  # [b, V]
-    for step in range(max_new_tokens):
-        tokens = pick_tokens(logits, temperature, generator)  # [b_live]
-        if top_k:
-            top_ids, top_probs = top_k_of(logits, top_k)
-        for live, (row, token) in enumerate(zip(rows.tolist(), tokens.tolist())):
-            responses[row].append(token)
-            if top_k:
-                top[row][0].append(top_ids[live])
-                top[row][1].append(top_probs[live])
-        keep = ~torch.isin(tokens, stop)
-        if step == max_new_tokens - 1 or not keep.any():
-            break
-        if not keep.all():  # finished rows leave the batch: their cache rows go too
-            kept = keep.nonzero().squeeze(-1)
-            cache.batch_select_indices(kept)
-            rows, tokens, attention_mask, next_position = (
-                rows[kept],
-                tokens[kept],
-                attention_mask[kept],
-                next_position[kept],
-            )
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=-1)
-        logits = model(
-            input_ids=tokens[:, None],
-            attention_mask=attention_mask,
-            position_ids=next_position[:, None],
-            cache=cache,
-            use_cache=True,
-        ).logits[:, -1]
-        next_position = next_position + 1
+    def keep_top_k(rows: list[int], logits: torch.Tensor) -> None:
+        top_ids, top_probs = top_k_of(logits, top_k)
+        for live, row in enumerate(rows):
+            top[row][0].append(top_ids[live])
+            top[row][1].append(top_probs[live])
+
+    responses = TargetModel(model).generate_batch(
+        prompt_ids, max_new_tokens, stop_ids, temperature=temperature, generator=generator,
+        pad_token_id=pad_token_id, on_logits=keep_top_k if top_k else None,
+    )
     return responses, (top if top_k else None)
 
 

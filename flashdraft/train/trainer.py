@@ -16,7 +16,7 @@ newest checkpoint and goes on from there; the same step failing again stops it w
 is ever kept or written.
 
 Every `eval_every` steps the draft's tau on a few held-out prompts is measured by replaying the greedy loop's
-rounds on the target's answers (`flashdraft.bench.replay`, answers and features computed once) and the best draft
+rounds on the target's answers (`flashdraft.evaluation.replay`, answers and features computed once) and the best draft
 so far (by mean tau) is kept; the output folder receives it in the DFlash checkpoint format with a model card.
 """
 
@@ -38,9 +38,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from ..bench.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
+from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..models import file_sha256
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
@@ -537,7 +537,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Tau of greedy speculative decoding at the draft's block size on each set of evaluation prompts (pooled
-        over the rounds of all prompts), replayed on the target's answers (`flashdraft.bench.replay`: the rounds
+        over the rounds of all prompts), replayed on the target's answers (`flashdraft.evaluation.replay`: the rounds
         of real decoding without its verification forwards), and the teacher-forced loss and per-position accuracy
         on the held-out sequences."""
         self.draft.eval()

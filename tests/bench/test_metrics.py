@@ -2,14 +2,9 @@
 
 import pytest
 
-from flashdraft.bench.metrics import (
-    acceptance_histogram,
-    count_differing,
-    decode_tokens_per_second,
-    summarize,
-    tau,
-)
+from flashdraft.bench.metrics import count_differing, decode_tokens_per_second, summarize
 from flashdraft.bench.runner import Record
+from flashdraft.decoding import acceptance_histogram, tau
 
 
 def record(method, tokens, seconds, first_token, lengths=(), dataset="d", sample="s0", turn=0):

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import flashdraft
-from flashdraft.bench.datasets import Sample
 from flashdraft.bench.methods import DecodeSettings, build_methods
 from flashdraft.bench.runner import measure, run_benchmark
+from flashdraft.evaluation.datasets import Sample
 from flashdraft.text import encode_chat
 
 from tiny import tiny_draft, tiny_target, tiny_tokenizer

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from flashdraft.bench import datasets
+from flashdraft.evaluation import datasets
 from flashdraft.train.decontaminate import (
     EvalIndex,
     EvalSet,

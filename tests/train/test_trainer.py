@@ -12,8 +12,8 @@ import torch
 
 import flashdraft
 from flashdraft import DFlashDraftModel
-from flashdraft.bench.replay import greedy_answers
 from flashdraft.draft import check_draft_folder
+from flashdraft.evaluation.replay import greedy_answers
 from flashdraft.train import features as features_module
 from flashdraft.train import trainer as trainer_module
 from flashdraft.train.blocks import TrainingSequence

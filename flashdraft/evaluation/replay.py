@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding import Proposer
+from ..decoding import Proposer, acceptance_histogram, tau
 from ..models import cache_home
 from ..target import TargetModel
-from .metrics import acceptance_histogram, tau
 
 
 @dataclass
@@ -85,16 +84,15 @@ def greedy_answers(
 ) -> list[list[int]]:
     """The target's greedy answer to each prompt, decoded in batches of similar length (left-padded). Batching
     can flip a near-tie now and then against one-by-one decoding; the replayed tau is the draft's on these answers."""
-    from ..train.regenerate import generate_batch  # batched decoding lives with the data stages that need it most
-
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    target = model if isinstance(model, TargetModel) else TargetModel(model)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
     with tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress) as bar:
         for first in range(0, len(order), batch_size):
             batch = order[first : first + batch_size]
-            responses, _ = generate_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids)
+            responses = target.generate_batch([prompts[i] for i in batch], max_new_tokens, stop_ids)
             for i, response in zip(batch, responses):
                 answers[i] = response
             bar.update(len(batch))

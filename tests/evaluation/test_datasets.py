@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from flashdraft.bench.datasets import (
+from flashdraft.evaluation.datasets import (
     DATASETS,
     EvalDataset,
     JsonlDataset,

@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from bench.tiny_bench import MASK, save_tiny_bench_folders
 
 import flashdraft
-from bench.tiny_bench import MASK, save_tiny_bench_folders
-from flashdraft.bench.replay import greedy_answers, replay, replay_text
 from flashdraft.cli import main
 from flashdraft.decoding import DFlashProposer
+from flashdraft.evaluation.replay import greedy_answers, replay, replay_text
 from flashdraft.target import TargetModel
 
 from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target
@@ -123,7 +123,7 @@ def test_bench_replay_refuses_what_it_cannot_measure(folders, capsys, extra, mes
 
 
 def test_answers_are_written_once_per_target_prompts_and_settings(tmp_path, monkeypatch):
-    import flashdraft.bench.replay as replay_module
+    import flashdraft.evaluation.replay as replay_module
 
     target = tiny_target("llama", seed=4)
     calls = []
