@@ -58,7 +58,7 @@ def check_device(name: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "device", None):
+        if getattr(args, "device", None) not in (None, "auto"):
             check_device(args.device)
         return args.func(args) or 0
     except (CommandError, ValueError, FileNotFoundError) as error:

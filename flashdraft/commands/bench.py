@@ -13,10 +13,10 @@ from pathlib import Path
 # torch and the modules that import it (the benchmark's own, the decoding loop) load inside `run`, and
 # `flashdraft --help` does not wait for them.
 from flashdraft.bench import METHOD_NAMES
+from flashdraft.commands.options import add_device_options, device_and_dtype
 from flashdraft.evaluation.datasets import DATASETS, get_dataset
 from flashdraft.models import DEFAULT_TARGET
 
-DTYPES = ("float32", "bfloat16", "float16")
 DRAFT_METHODS = {"flashdraft", "reference", "transformers-dflash"}
 
 
@@ -52,9 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--temperature", type=float, default=0.0, help="sampling temperature, 0 for greedy (default: 0)")
     add("--no-chat-template", action="store_true",
         help="feed the raw prompt texts (turns joined by blank lines) instead of the tokenizer's chat template")
-    add("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
-    add("--dtype", choices=["auto", *DTYPES], default="auto",
-        help="model dtype (default: auto = bfloat16 on CUDA, float32 on CPU)")
+    add_device_options(parser)
     add("--output-dir", type=Path, default=Path("bench-results"),
         help="folder for results.json, results.md and the plots (default: bench-results)")
     add("--assistant", default=None,
@@ -65,18 +63,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "no other methods; MT-Bench contributes its first turns. Writes replay.json and replay.md")
     add("--batch-size", type=int, default=8, help="prompts per batch of target answers under --replay (default: 8)")
     parser.set_defaults(func=run)
-
-
-def _device_and_dtype(args: argparse.Namespace):
-    """The torch device and dtype of `--device` and `--dtype`."""
-    import torch
-
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, getattr(torch, args.dtype)
 
 
 def _method_names(args: argparse.Namespace) -> list[str]:
@@ -113,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.replay:
         return run_replay(args)
     require_matplotlib()
-    device, dtype = _device_and_dtype(args)
+    device, dtype = device_and_dtype(args)
     names = _method_names(args)
     datasets = _load_datasets(args)
     target, tokenizer = load_target(args.target, device=device, dtype=dtype)
@@ -176,7 +162,7 @@ def run_replay(args: argparse.Namespace) -> int:
     block_sizes = args.block_sizes
     if block_sizes is not None and any(not isinstance(size, int) for size in block_sizes):
         raise ValueError("--replay needs fixed block sizes (integers): `auto` chooses them from timings")
-    device, dtype = _device_and_dtype(args)
+    device, dtype = device_and_dtype(args)
     datasets = _load_datasets(args)
     target, tokenizer = load_target(args.target, device=device, dtype=dtype)
     draft = load_draft(args.draft, device=device, dtype=dtype)

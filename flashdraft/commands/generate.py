@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flashdraft.commands.options import add_device_options, device_and_dtype
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -29,16 +31,13 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--system", default=None, help="optional system message for the chat template")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="model weights' dtype (default: float32; use bfloat16 on GPUs)")
+    add_device_options(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="also print every round's block size and the tokens it yielded")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from flashdraft.decoding import stream
     from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
@@ -49,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1 (1 = no speculation), got {args.block_size}; leave it "
                          "out to choose it round by round")
-    dtype = getattr(torch, args.dtype)
-    target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=args.device, dtype=dtype)
+    device, dtype = device_and_dtype(args)
+    target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=device, dtype=dtype)
     # Plain autoregressive decoding needs no draft; anything else uses the given or the shipped one.
-    draft = None if (args.block_size == 1 and args.draft is None) else load_draft(args.draft, device=args.device,
+    draft = None if (args.block_size == 1 and args.draft is None) else load_draft(args.draft, device=device,
                                                                                     dtype=dtype)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})

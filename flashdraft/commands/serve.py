@@ -7,7 +7,8 @@ import errno
 import socket
 import sys
 
-DTYPES = ("float32", "bfloat16", "float16")
+from flashdraft.commands.options import add_device_options, device_and_dtype
+
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
 # After SIGTERM the worker answers every request within a round; this bounds what is left (a client that does not
 # read its answer) before uvicorn cancels it.
@@ -56,13 +57,11 @@ def register(subparsers) -> None:
         "--served-model-name", default=None,
         help="the model name clients send and /v1/models lists (default: the --target value)",
     )
-    parser.add_argument("--device", default="cpu", help="torch device for the models, e.g. cpu or cuda (default: cpu)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default: float32)")
+    add_device_options(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     try:
         import uvicorn
@@ -90,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
         )
     listening = bind(args.host, args.port)
     try:
-        dtype = getattr(torch, args.dtype)
-        model, tokenizer = load_target(target_name, device=args.device, dtype=dtype)
-        draft = None if args.no_draft else load_draft(args.draft, device=args.device, dtype=dtype)
+        device, dtype = device_and_dtype(args)
+        model, tokenizer = load_target(target_name, device=device, dtype=dtype)
+        draft = None if args.no_draft else load_draft(args.draft, device=device, dtype=dtype)
         engine = Engine.from_models(
             model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size
         )

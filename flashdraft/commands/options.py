@@ -1,0 +1,30 @@
+"""The options every command that loads models shares: where the models run and in which precision.
+
+One definition and one default for all: `--device auto` runs on the GPU when torch sees one, else on the CPU;
+`--dtype auto` is bfloat16 on a GPU and float32 on a CPU (bfloat16 is several times slower than float32 on a CPU).
+`flashdraft.cli.check_device` validates an explicit device before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_device_options(parser) -> None:
+    """--device and --dtype, on a parser or an argument group."""
+    parser.add_argument("--device", default="auto",
+                        help="torch device, e.g. cpu, cuda, cuda:1 (default: auto = cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="model weights' dtype (default: auto = bfloat16 on CUDA, float32 on CPU)")
+
+
+def device_and_dtype(args: argparse.Namespace):
+    """The torch device and dtype the options name, `auto` resolved."""
+    import torch
+
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype != "auto":
+        return device, getattr(torch, args.dtype)
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
