@@ -1,12 +1,6 @@
 """flashdraft: lossless speculative decoding with DFlash block-diffusion drafts."""
 
-import os
-
-# OpenMP's default busy-waiting makes torch on a shared CPU many times slower (measured 15x here when another
-# process computes); passive waiting costs nothing when the machine is quiet. Only effective before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from .lazy import lazy_exports  # noqa: E402
+from .lazy import lazy_exports
 
 # The public names load on first use (PEP 562), so that `flashdraft --help` and other light uses of a submodule
 # answer without loading torch and transformers.

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+
+# As the command line does: tests run on shared CPUs, where busy-waiting OpenMP threads stall (before torch loads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import pytest

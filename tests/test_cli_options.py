@@ -27,3 +27,14 @@ def test_explicit_values_are_kept():
     args = argparse.Namespace(device="cpu", dtype="bfloat16")
     assert device_and_dtype(args) == (torch.device("cpu"), torch.bfloat16)
     assert device_and_dtype(argparse.Namespace(device="cpu", dtype="auto"))[1] == torch.float32
+
+
+def test_importing_the_library_leaves_the_environment_alone():
+    import subprocess
+    import sys
+
+    code = "import os, flashdraft; flashdraft.generate; print(os.environ.get('OMP_WAIT_POLICY'))"
+    environment = {key: value for key, value in __import__("os").environ.items() if key != "OMP_WAIT_POLICY"}
+    process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment,
+                             timeout=120)
+    assert process.stdout.strip() == "None", process.stderr
