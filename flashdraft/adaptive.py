@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .target import TargetModel
+from .target import TargetModel, synchronize
 
 MEASURED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -61,11 +61,11 @@ def measure_verify_costs(
     for n in sizes:
         times = []
         for _ in range(repeats + 1):  # the first run of each size warms up
-            _synchronize(target.device)
+            synchronize(target.device)
             began = time.perf_counter()
             window = slice(context_length, context_length + n)
             target.forward(ids[:, window], positions[:, window], cache, None)
-            _synchronize(target.device)
+            synchronize(target.device)
             times.append(time.perf_counter() - began)
             target.rollback(cache, n)
         seconds[n] = statistics.median(times[1:])
@@ -81,10 +81,10 @@ def measure_draft_seconds(proposer, target: TargetModel, block_size: int, contex
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         proposer.begin(context_length + block_size)
-        _synchronize(target.device)
+        synchronize(target.device)
         began = time.perf_counter()
         proposer.propose(anchor, context, context_length, block_size)
-        _synchronize(target.device)
+        synchronize(target.device)
         times.append(time.perf_counter() - began)
     return statistics.median(times[1:])
 
@@ -120,11 +120,6 @@ def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCo
     partial.write_text(json.dumps({"verify": costs.seconds, "draft": draft_seconds}))
     partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
     return costs, draft_seconds
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class BlockSizeController:

@@ -155,6 +155,12 @@ class TargetModel:
         return responses
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU), so that a clock around it times the work itself."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """[b, V] logits -> [b] next tokens: argmax at temperature 0, else a sample from softmax(logits / T)."""
     if temperature == 0:

@@ -61,9 +61,9 @@ from flashdraft.bench.methods import (  # noqa: E402
     TransformersDFlashAssistant,
     TransformersGenerate,
 )
-from flashdraft.bench.runner import measure, synchronize  # noqa: E402
+from flashdraft.bench.runner import measure  # noqa: E402
 from flashdraft.draft import DFlashDraftModel  # noqa: E402
-from flashdraft.target import TargetModel  # noqa: E402
+from flashdraft.target import TargetModel, synchronize  # noqa: E402
 from flashdraft.train.blocks import TrainingSequence  # noqa: E402
 from flashdraft.train.features import OnlineFeatures  # noqa: E402
 from flashdraft.train.records import TrainingRecord  # noqa: E402

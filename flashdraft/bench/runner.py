@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from ..evaluation.datasets import Sample
+from ..target import synchronize
 from ..text import encode_chat
 from .methods import DecodeSettings, Method
 
@@ -48,11 +49,6 @@ class Record:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class TargetProbe:
