@@ -269,6 +269,19 @@ def _write_json_atomic(path: Path, value) -> None:
     partial.replace(path)
 
 
+def installed_file(requirement: str, path: str) -> Path | None:
+    """A data file inside an installed PyPI package ("name==version"), found through the package's metadata (the
+    package is never imported: some pull in heavy dependencies); None when the package is missing, has another
+    version or lacks the file."""
+    name, version = requirement.split("==")
+    try:
+        distribution = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    file = Path(distribution.locate_file(path))
+    return file if distribution.version == version and file.exists() else None
+
+
 def locate_files(entry: RegisteredModel) -> list[Path]:
     """The installed files that make up `entry`'s GGUF, in order.
 
@@ -278,13 +291,8 @@ def locate_files(entry: RegisteredModel) -> list[Path]:
     missing: list[str] = []  # requirements to (re)install
     files: list[Path] = []
     for part in entry.parts:
-        try:
-            distribution = importlib.metadata.distribution(part.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            missing.append(part.requirement)
-            continue
-        file = Path(distribution.locate_file(part.path))
-        if distribution.version != part.version or not file.is_file():
+        file = installed_file(part.requirement, part.path)
+        if file is None:
             missing.append(part.requirement)
         files.append(file)
     if missing:

