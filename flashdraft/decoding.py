@@ -192,6 +192,7 @@ def stream(
     check_seed(seed)  # also when greedy, which does not use it: a seed no generator takes is a mistake either way
     if isinstance(draft, DFlashDraftModel):
         draft = DFlashProposer(draft, target)
+    check_block_size(block_size, has_draft=draft is not None)
     native = getattr(draft, "block_size", None) if draft is not None else None
     controller = None
     if block_size == "auto":
@@ -202,10 +203,6 @@ def stream(
             controller = BlockSizeController(native, *cached_costs(target, draft, native))
     elif block_size is None:
         block_size = native or 1
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1 or \"auto\", got {block_size!r}")
-    if block_size > 1 and draft is None:
-        raise ValueError(f"block_size {block_size} needs a draft; pass a draft or use block_size=1")
     prompt = _prompt_tensor(input_ids, target)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
@@ -225,6 +222,17 @@ def stream(
         generator, result,
     )
     return TokenStream(rounds, result)
+
+
+def check_block_size(block_size: int | str | None, *, has_draft: bool) -> None:
+    """Fail fast on a block size the loop cannot run: "auto", None (the draft's own) or an integer >= 1, above 1 only
+    with a draft."""
+    if block_size in ("auto", None):
+        return
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1 or \"auto\", got {block_size!r}")
+    if block_size > 1 and not has_draft:
+        raise ValueError(f"block_size {block_size} needs a draft; pass a draft or use block_size=1")
 
 
 def generate(target, draft, input_ids, **kwargs) -> GenerationResult:

@@ -85,13 +85,22 @@ def test_bad_input_is_reported_without_a_traceback(folders, capsys):
         (["generate", "w1", "--target", str(root / "missing"), "--block-size", "1"], "neither an existing folder"),
         (["generate", "w1", "--target", str(root / "target"), "--draft", str(root / "target")],
          "is not a DFlash draft"),
-        (["generate", "w1", *base, "--block-size", "0"], "--block-size must be at least 1"),
         (["generate", "w1", *base, "--device", "nosuch"], "unknown device 'nosuch': devices here are cpu"),
     ]
     for argv, message in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_block_size_below_one_is_refused_by_the_parser(command, capsys):
+    argv = [command, "w1"] if command == "generate" else [command]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--block-size", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --block-size: '0' is neither an integer >= 1 (1 = no speculation) nor auto" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -122,4 +131,4 @@ def test_help_and_argument_errors_load_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert process.stdout.strip() == "[]", process.stderr
-    assert "invalid int value: 'x'" in process.stderr
+    assert "argument --block-size: 'x' is neither an integer" in process.stderr

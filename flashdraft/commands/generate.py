@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flashdraft.commands.options import add_device_options, device_and_dtype
+from flashdraft.commands.options import add_block_size_option, add_device_options, device_and_dtype
 
 
 def register(subparsers) -> None:
@@ -25,9 +25,7 @@ def register(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens verified per round, anchor included; 1 = no speculation (default: chosen "
-                        "round by round for the most tokens per second, never above the draft's block size)")
+    add_block_size_option(parser)
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--system", default=None, help="optional system message for the chat template")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
@@ -45,9 +43,6 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the text to answer")
-    if args.block_size is not None and args.block_size < 1:
-        raise ValueError(f"--block-size must be at least 1 (1 = no speculation), got {args.block_size}; leave it "
-                         "out to choose it round by round")
     device, dtype = device_and_dtype(args)
     target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=device, dtype=dtype)
     # Plain autoregressive decoding needs no draft; anything else uses the given or the shipped one.
@@ -60,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = stream(
         target, draft, input_ids,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop_token_ids=stop_token_ids(target, tokenizer), block_size=args.block_size or "auto", seed=args.seed,
+        stop_token_ids=stop_token_ids(target, tokenizer), block_size=args.block_size, seed=args.seed,
     )
     text = IncrementalText(tokenizer)
     with tokens:

@@ -20,6 +20,26 @@ def add_device_options(parser) -> None:
                         help="model weights' dtype (default: auto = bfloat16 on CUDA, float32 on CPU)")
 
 
+def block_size(text: str) -> int | str:
+    """`--block-size`: "auto" (chosen round by round) or an integer >= 1 (1 = no speculation)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer >= 1 (1 = no speculation) nor auto")
+    return value
+
+
+def add_block_size_option(parser) -> None:
+    parser.add_argument("--block-size", type=block_size, default="auto",
+                        help="tokens verified per round, anchor included: an integer >= 1 (1 = no speculation) or auto "
+                        "(default: auto = chosen round by round for the most tokens per second, never above the "
+                        "draft's own block size)")
+
+
 def device_and_dtype(args: argparse.Namespace):
     """The torch device and dtype the options name, `auto` resolved."""
     import torch

@@ -7,7 +7,7 @@ import errno
 import socket
 import sys
 
-from flashdraft.commands.options import add_device_options, device_and_dtype
+from flashdraft.commands.options import add_block_size_option, add_device_options, device_and_dtype
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
 # After SIGTERM the worker answers every request within a round; this bounds what is left (a client that does not
@@ -37,11 +37,7 @@ def register(subparsers) -> None:
     drafts.add_argument(
         "--no-draft", action="store_true", help="serve without a draft: plain autoregressive decoding",
     )
-    parser.add_argument(
-        "--block-size", type=int, default=None,
-        help="tokens per verification: the anchor plus block-size - 1 proposals (default: chosen round by round "
-        "for the most tokens per second, never above the draft's own block size)",
-    )
+    add_block_size_option(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
@@ -78,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
-    if args.block_size is not None and args.block_size < 1:
-        raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     target_name = args.target or DEFAULT_TARGET

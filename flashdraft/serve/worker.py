@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..decoding import check_compatible, stream
+from ..decoding import check_block_size, check_compatible, stream
 from ..draft import DFlashDraftModel
 from ..sampling import SamplingParams
 from ..target import TargetModel
@@ -54,17 +54,16 @@ class Engine:
         draft: DFlashDraftModel | None,
         *,
         name: str,
-        block_size: int | str | None = None,
+        block_size: int | str = "auto",
     ) -> Engine:
         """Check the models fit together (at start-up, not on the first request); generation stops on the
         tokenizer's eos token and the generation config's eos ids (chat models put end-of-turn there)."""
         target = TargetModel(model)
         if draft is not None:
             check_compatible(draft, target)
-        if block_size is None:
-            block_size = "auto" if draft is not None else 1
-        if block_size != "auto" and (block_size < 1 or (block_size > 1 and draft is None)):
-            raise ValueError(f"block size {block_size} needs a draft: pass a draft, or use block size 1")
+        check_block_size(block_size, has_draft=draft is not None)
+        if draft is None:
+            block_size = 1  # nothing to adapt: plain decoding, and the statistics say so
         return cls(target, tokenizer, draft, name, block_size, frozenset(stop_token_ids(model, tokenizer)))
 
     @property
