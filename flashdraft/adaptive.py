@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+from .files import write_atomic
 from .target import TargetModel, synchronize
 
 MEASURED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -116,9 +116,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCo
     costs = measure_verify_costs(target, max_size)
     draft_seconds = measure_draft_seconds(proposer, target, max_size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"verify": costs.seconds, "draft": draft_seconds}))
-    partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
+    write_atomic(path, json.dumps({"verify": costs.seconds, "draft": draft_seconds}))
     return costs, draft_seconds
 
 

@@ -38,6 +38,8 @@ import platformdirs
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
+from .files import write_atomic
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -230,7 +232,7 @@ def verify_prepared(folder: Path, name: str) -> None:
     marker = json.loads(marker_path.read_text())
     if "files" not in marker:
         marker["files"] = _record_checksums(folder)
-        _write_json_atomic(marker_path, marker)
+        write_atomic(marker_path, json.dumps(marker) + "\n")
     cache_path = folder / VERIFIED_CACHE
     try:
         verified = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
@@ -251,7 +253,7 @@ def verify_prepared(folder: Path, name: str) -> None:
             )
         verified[file_name], changed = stamp, True
     if changed:
-        _write_json_atomic(cache_path, verified)
+        write_atomic(cache_path, json.dumps(verified) + "\n")
 
 
 def check_finite(model, where: str, remedy: str) -> None:
@@ -263,10 +265,6 @@ def check_finite(model, where: str, remedy: str) -> None:
             raise ValueError(f"{where}: weight {name} holds NaN or infinite values: {remedy}")
 
 
-def _write_json_atomic(path: Path, value) -> None:
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(value) + "\n")
-    partial.replace(path)
 
 
 def installed_file(requirement: str, path: str) -> Path | None:

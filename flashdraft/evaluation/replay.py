@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding import Proposer, acceptance_histogram, tau
+from ..files import write_atomic
 from ..models import cache_home
 from ..target import TargetModel
 
@@ -119,9 +120,7 @@ def cached_greedy_answers(
         return json.loads(path.read_text())
     answers = greedy_answers(model, prompts, max_new_tokens, stop_ids, batch_size, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(answers))
-    partial.replace(path)  # atomic: a killed run leaves no half-written answers behind
+    write_atomic(path, json.dumps(answers))  # a killed run leaves no half-written answers behind
     return answers
 
 

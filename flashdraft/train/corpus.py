@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..files import write_atomic
 from .records import META_FILE, ShardWriter, TrainingRecord, read_meta, read_records
 
 MANIFEST = "manifest.json"
@@ -93,9 +93,7 @@ def _write_shard(path: Path, records: Sequence[TrainingRecord], vocab_size: int)
         sources=np.array([record.source for record in records], dtype=str),
     )
     data = buffer.getvalue()
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_bytes(data)
-    partial.replace(path)
+    write_atomic(path, data)
     return data
 
 
@@ -130,9 +128,7 @@ def export_records(records_folder: str | Path, corpus_folder: str | Path, *, tar
     }
     manifest = {key: manifest[key] for key in ("format", "target", "target_sha256", "command", "settings", "totals",
                                                "shards")}
-    partial = corpus / f"{MANIFEST}.{os.getpid()}.tmp"
-    partial.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    partial.replace(corpus / MANIFEST)
+    write_atomic(corpus / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return len(new)
 
 
