@@ -4,7 +4,22 @@ data module) do not load torch and transformers through the package's `__init__`
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from collections.abc import Callable
+
+
+class _ExportsKeepTheirNames(types.ModuleType):
+    """Importing a submodule makes it an attribute of its package. Where a submodule has an exported name
+    (`flashdraft.train.regenerate`, the module of the function `regenerate`), the export keeps the name, as an eager
+    `from .regenerate import regenerate` in the package's `__init__` would."""
+
+    _exports: dict[str, str] = {}
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._exports and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
 
 
 def lazy_exports(package: str, exports: dict[str, str], namespace: dict) -> tuple[Callable, Callable]:
@@ -20,4 +35,6 @@ def lazy_exports(package: str, exports: dict[str, str], namespace: dict) -> tupl
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(exports))
 
+    package_module = sys.modules[package]
+    package_module.__class__ = type(_ExportsKeepTheirNames.__name__, (_ExportsKeepTheirNames,), {"_exports": exports})
     return __getattr__, __dir__

@@ -22,6 +22,8 @@ _EXPORTS = {
     "load_eval_sets": "decontaminate",
     "remove_overlaps": "decontaminate",
     "label_responses": "labels",
+    "PipelineConfig": "pipeline",
+    "run_pipeline": "pipeline",
     "Prompt": "prompts",
     "PromptFile": "prompts",
     "mix_prompts": "prompts",
@@ -46,6 +48,7 @@ __all__ = [
     "EvalIndex",
     "EvalSet",
     "Overlap",
+    "PipelineConfig",
     "Prompt",
     "PromptFile",
     "RunStats",
@@ -63,5 +66,6 @@ __all__ = [
     "read_records",
     "regenerate",
     "remove_overlaps",
+    "run_pipeline",
     "write_prompt_file",
 ]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .pipeline import PipelineConfig
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
 from .regenerate import BYTES_PER_TOKEN, BYTES_PER_TOPK_ENTRY, model_identity, stop_token_ids, top_k_of
@@ -86,9 +87,9 @@ def label_responses(
     prompts: Sequence[Prompt],
     output_dir: str | Path,
     *,
-    max_response_tokens: int = 512,
-    top_k: int = 0,
-    batch_size: int = 8,
+    max_response_tokens: int = PipelineConfig.max_new_tokens,  # the defaults of `flashdraft train`
+    top_k: int = PipelineConfig.store_top_k,
+    batch_size: int = PipelineConfig.data_batch_size,
     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
     progress: bool = True,
     time_limit: float | None = None,

@@ -126,7 +126,9 @@ def block_targets(
     ids, probs = labels[:, None], torch.ones(len(rows), 1)
     if distill_weight > 0:
         if batch.topk_ids is None:
-            raise ValueError("distillation needs the target's top-k probabilities: make the records with --top-k > 0")
+            raise ValueError(
+                "distillation needs the target's top-k probabilities: make the records with --store-top-k > 0"
+            )
         top_ids = batch.topk_ids.reshape(-1, batch.topk_ids.shape[-1])[rows]
         top_probs = batch.topk_probs.reshape(-1, batch.topk_probs.shape[-1])[rows]
         if vocabulary is not None:  # renormalise over the ids the draft can propose

@@ -15,6 +15,7 @@ import torch
 
 from .. import text
 from ..target import TargetModel
+from .pipeline import PipelineConfig
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
 
@@ -96,11 +97,11 @@ def regenerate(
     prompts: Sequence[Prompt],
     output_dir: str | Path,
     *,
-    max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    batch_size: int = 8,
-    seed: int = 0,
+    max_new_tokens: int = PipelineConfig.max_new_tokens,  # the defaults of `flashdraft train`
+    temperature: float = PipelineConfig.temperature,
+    top_k: int = PipelineConfig.store_top_k,
+    batch_size: int = PipelineConfig.data_batch_size,
+    seed: int = PipelineConfig.seed,
     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
     progress: bool = True,
     time_limit: float | None = None,

@@ -46,7 +46,8 @@ from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
 from .features import FeatureSource
-from .loss import DEFAULT_CHUNK, DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
+from .loss import DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
+from .pipeline import PipelineConfig
 from .records import ensure_free_space
 
 CHECKPOINT_DIR = "checkpoints"
@@ -60,26 +61,28 @@ HELDOUT_SEED = -1  # the anchors of held-out sequences are drawn once, the same 
 
 @dataclass
 class TrainConfig:
-    """Optimisation and bookkeeping settings (the model shape lives in the draft's config)."""
+    """Optimisation and bookkeeping settings (the model shape lives in the draft's config). The defaults are the
+    training pipeline's (`PipelineConfig`, the one place they are kept), so the trainer alone trains as
+    `flashdraft train` does."""
 
-    num_anchors: int = 64  # blocks per training sequence, redrawn every epoch
-    gamma: float | None = None  # position-weight decay; None: 7 at block size 16, 4 at 8 (`default_gamma`)
-    learning_rate: float = 6e-4
-    warmup_ratio: float = 0.04  # share of the steps with a linear warmup
-    weight_decay: float = 0.0
-    epochs: int = 3
-    max_steps: int | None = None  # overrides epochs when given
-    batch_size: int = 1  # sequences per micro-batch, per process
-    grad_accum: int = 1  # micro-batches per optimizer step
-    max_grad_norm: float = 1.0
-    distill_weight: float = 0.0  # 0: hard labels; 1: the target's top-k probabilities; between: a mix
-    loss_chunk: int = DEFAULT_CHUNK  # positions per pass through the output head
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 2
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_max_new_tokens: int = 64
-    log_every: int = 10
-    seed: int = 0
+    num_anchors: int = PipelineConfig.num_anchors  # blocks per training sequence, redrawn every epoch
+    gamma: float | None = PipelineConfig.gamma  # position-weight decay; None: 7 at block size 16, 4 at 8
+    learning_rate: float = PipelineConfig.lr
+    warmup_ratio: float = PipelineConfig.warmup_ratio  # share of the steps with a linear warmup
+    weight_decay: float = PipelineConfig.weight_decay
+    epochs: int = PipelineConfig.epochs
+    max_steps: int | None = PipelineConfig.max_steps  # overrides epochs when given
+    batch_size: int = PipelineConfig.batch_size  # sequences per micro-batch, per process
+    grad_accum: int = PipelineConfig.grad_accum  # micro-batches per optimizer step
+    max_grad_norm: float = PipelineConfig.max_grad_norm
+    distill_weight: float = PipelineConfig.distill_weight  # 0: hard labels; 1: the target's top-k; between: a mix
+    loss_chunk: int = PipelineConfig.loss_chunk  # positions per pass through the output head
+    checkpoint_every: int = PipelineConfig.checkpoint_every
+    keep_checkpoints: int = PipelineConfig.keep_checkpoints
+    eval_every: int = PipelineConfig.eval_every  # 0: evaluate only at the end
+    eval_max_new_tokens: int = PipelineConfig.eval_max_new_tokens
+    log_every: int = 10  # the trainer's own: steps between lines of metrics.jsonl
+    seed: int = PipelineConfig.seed
 
     def __post_init__(self):
         positive = {"num_anchors": self.num_anchors, "epochs": self.epochs, "batch_size": self.batch_size,

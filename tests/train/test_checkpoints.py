@@ -14,9 +14,9 @@ import torch
 
 from flashdraft import DFlashDraftModel
 from flashdraft.train.features import OnlineFeatures
-from flashdraft.train.trainer import BEST_DIR, TrainConfig, Trainer, TrainSummary, read_checkpoint, save_trained_draft
+from flashdraft.train.trainer import BEST_DIR, Trainer, TrainSummary, read_checkpoint, save_trained_draft
 from train.test_trainer import make_trainer, weights
-from train.tiny_training import FEATURE_LAYERS, one_thread, pattern_sequences, target_and_draft  # noqa: F401
+from train.tiny_training import FEATURE_LAYERS, one_thread, pattern_sequences, target_and_draft, tiny_config  # noqa: F401
 
 CONFIG = dict(num_anchors=4, batch_size=2, max_steps=6, checkpoint_every=3, learning_rate=3e-3)
 
@@ -65,13 +65,13 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path, capsys, damage):
-    whole = make_trainer(tmp_path, config=TrainConfig(**CONFIG))
+    whole = make_trainer(tmp_path, config=tiny_config(**CONFIG))
     whole.train()  # checkpoints at steps 3 and 6
     damage_file, reason = DAMAGE[damage]
     damage_file(checkpoint(tmp_path, 6))
     capsys.readouterr()
 
-    resumed = make_trainer(tmp_path, draft_seed=99, config=TrainConfig(**CONFIG))
+    resumed = make_trainer(tmp_path, draft_seed=99, config=tiny_config(**CONFIG))
     err = capsys.readouterr().err
     assert resumed.step == 3
     assert f"checkpoint step 6 is damaged ({checkpoint(tmp_path, 6)}: " in err and reason in err
@@ -85,14 +85,14 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_befo
 
 
 def test_a_run_without_an_intact_checkpoint_is_refused_and_left_as_it_is(tmp_path):
-    make_trainer(tmp_path, config=TrainConfig(**CONFIG)).train()
+    make_trainer(tmp_path, config=tiny_config(**CONFIG)).train()
     checkpoint(tmp_path, 6).write_bytes(b"")
     truncated(checkpoint(tmp_path, 3))
     folder = checkpoint(tmp_path, 3).parent
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
     with pytest.raises(ValueError, match=r"no intact checkpoint to resume from \(step-00000006.pt: it has 0 bytes .*"
                                          r"step-00000003.pt: .*\): delete .*checkpoints to train this run from the"):
-        make_trainer(tmp_path, config=TrainConfig(**CONFIG))
+        make_trainer(tmp_path, config=tiny_config(**CONFIG))
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
@@ -103,7 +103,7 @@ def test_a_checkpoint_of_the_previous_format_is_refused_with_a_clear_message(tmp
     torch.save({"draft": {}, "step": 3, "rng": {"python": random.getstate()}}, folder / "step-00000003.pt")
     with pytest.raises(ValueError, match="step-00000003.pt: it has no checksum file step-00000003.json "
                                          r"\(written by an older flashdraft"):
-        make_trainer(tmp_path, config=TrainConfig(**CONFIG))
+        make_trainer(tmp_path, config=tiny_config(**CONFIG))
 
 
 unpickled = []
@@ -117,13 +117,13 @@ class Payload:
 
 
 def test_checkpoints_are_read_without_unpickling_objects(tmp_path, capsys):
-    make_trainer(tmp_path, config=TrainConfig(**CONFIG)).train()
+    make_trainer(tmp_path, config=tiny_config(**CONFIG)).train()
     path = checkpoint(tmp_path, 6)
     state = torch.load(path, weights_only=True)
     state["best"] = Payload()
     torch.save(state, path)
     rewrite_checksum(path)  # the checksum cannot tell: the loader must refuse the object itself
-    resumed = make_trainer(tmp_path, config=TrainConfig(**CONFIG))
+    resumed = make_trainer(tmp_path, config=tiny_config(**CONFIG))
     assert unpickled == []
     assert resumed.step == 3
     assert "checkpoint step 6 is damaged" in capsys.readouterr().err
@@ -164,9 +164,9 @@ NAN_CONFIG = dict(CONFIG, max_steps=8, eval_every=2)
 
 
 def test_a_passing_non_finite_loss_resumes_from_the_last_checkpoint(tmp_path, capsys):
-    clean = make_trainer(tmp_path, "clean", config=TrainConfig(**NAN_CONFIG), heldout=pattern_sequences(3, seed=5))
+    clean = make_trainer(tmp_path, "clean", config=tiny_config(**NAN_CONFIG), heldout=pattern_sequences(3, seed=5))
     clean_summary = clean.train()
-    trainer = poisoned_trainer(tmp_path, at={5}, times=1, config=TrainConfig(**NAN_CONFIG))
+    trainer = poisoned_trainer(tmp_path, at={5}, times=1, config=tiny_config(**NAN_CONFIG))
     summary = trainer.train()
     assert "step 5: the loss is not finite; resumed from checkpoint step 3" in capsys.readouterr().err
     assert summary.steps == 8 and math.isfinite(summary.final_loss)
@@ -177,7 +177,7 @@ def test_a_passing_non_finite_loss_resumes_from_the_last_checkpoint(tmp_path, ca
 
 
 def test_a_non_finite_loss_that_comes_back_stops_the_run_at_the_last_checkpoint(tmp_path, capsys):
-    trainer = poisoned_trainer(tmp_path, at={5}, times=100, config=TrainConfig(**NAN_CONFIG))
+    trainer = poisoned_trainer(tmp_path, at={5}, times=100, config=tiny_config(**NAN_CONFIG))
     with pytest.raises(ValueError, match="step 5: the loss is not finite again after resuming from checkpoint step "
                                          r"3: lower the learning rate.*\(the run folder keeps checkpoint step 3\)"):
         trainer.train()
@@ -188,7 +188,7 @@ def test_a_non_finite_loss_that_comes_back_stops_the_run_at_the_last_checkpoint(
 
 
 def test_a_non_finite_loss_before_the_first_checkpoint_stops_the_run(tmp_path):
-    trainer = poisoned_trainer(tmp_path, at={2}, times=1, config=TrainConfig(**NAN_CONFIG))
+    trainer = poisoned_trainer(tmp_path, at={2}, times=1, config=tiny_config(**NAN_CONFIG))
     with pytest.raises(ValueError, match="step 2: the loss is not finite, and the run has no checkpoint to go back"):
         trainer.train()
     assert all_finite(trainer.draft)

@@ -257,4 +257,4 @@ def test_resumed_labelling_writes_the_same_shards(tmp_path, monkeypatch):
     assert stats.already_done == 4
     assert shard_contents(tmp_path / "resumed") == shard_contents(tmp_path / "whole")
     meta = json.loads((tmp_path / "resumed" / "meta.json").read_text())
-    assert meta["max_response_tokens"] == 512 and meta["batch_size"] == 2
+    assert meta["max_response_tokens"] == 256 and meta["batch_size"] == 2  # 256: flashdraft train's default

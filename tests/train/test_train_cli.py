@@ -1,15 +1,22 @@
 """`flashdraft train` end to end on a tiny target folder: every stage, caching and resume, the output folder and
-model card, the exact command, help text on every option, and clear errors for bad input."""
+model card, the exact command, help text on every option, and clear errors for bad input. The command is
+`run_pipeline` on a `PipelineConfig`: the same settings in Python train the same bytes."""
 
 import argparse
 import json
+import re
+import shlex
+from dataclasses import MISSING, fields
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashdraft.cli import build_parser, main
-from flashdraft.commands.train import exact_command
+from flashdraft.commands.train import config_from_args
 from flashdraft.draft import DFlashDraftModel, check_draft_folder
+from flashdraft.train import PipelineConfig, run_pipeline
+from flashdraft.train.pipeline import default_of, exact_command, format_setting
 from flashdraft.train.records import read_records
 from train.tiny_training import one_thread  # noqa: F401
 
@@ -78,7 +85,7 @@ def test_trains_a_draft_end_to_end_and_resumes_cached(target_folder, tmp_path, c
 
 def test_teacher_forced_and_regenerated_with_distillation_and_reduced_vocabulary(target_folder, tmp_path):
     prompt_file(tmp_path / "prompts.jsonl", with_response=True)
-    args = train_args(target_folder, tmp_path, "--labels", "both", "--top-k", "4", "--distill-weight", "0.5",
+    args = train_args(target_folder, tmp_path, "--labels", "both", "--store-top-k", "4", "--distill-weight", "0.5",
                       "--draft-vocab-size", "32", "--features", "online")
     assert main(args) == 0
     draft = DFlashDraftModel.from_pretrained(tmp_path / "draft")
@@ -137,7 +144,7 @@ def test_bad_input_is_reported_before_any_work(target_folder, tmp_path, capsys):
     err = run_failing(train_args(target_folder, tmp_path, "--feature-layers", "5"), capsys)
     assert "repeat a layer" in err  # 5 layers cannot spread over a 4-layer target
     err = run_failing(train_args(target_folder, tmp_path, "--distill-weight", "1"), capsys)
-    assert "--top-k" in err
+    assert "add --store-top-k K" in err
     err = run_failing(train_args(target_folder, tmp_path, "--mask-token-id", "500"), capsys)
     assert "outside the target's vocabulary" in err
     assert "--label-minutes must be >= 0" in run_failing(train_args(target_folder, tmp_path, "--label-minutes", "-1"),
@@ -162,17 +169,119 @@ def test_a_prompt_file_overlapping_an_evaluation_set_is_refused(target_folder, t
     assert "overlaps evaluation data" in err and "gsm8k" in err
 
 
-def test_every_option_has_help_and_the_exact_command_reproduces_the_arguments(tmp_path):
+def train_parser():
     parser = build_parser()
-    train_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
-    for action in train_parser._actions:
+    return parser, next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+
+
+def test_every_option_has_help_and_the_exact_command_reproduces_the_config(tmp_path):
+    parser, train = train_parser()
+    for action in train._actions:
         assert action.help, action.dest
-    args = parser.parse_args(["train", "-o", str(tmp_path / "d"), "--prompts", "a.jsonl", "--no-init-from-target",
-                              "--skip-eval-check", "--lr", "0.001"])
-    command = exact_command(args, train_parser)
+    args = parser.parse_args(["train", "-o", str(tmp_path / "d"), "--prompts", str(tmp_path / "a.jsonl"),
+                              "--no-init-from-target", "--skip-eval-check", "--lr", "0.001", "--feature-layers", "3,",
+                              "--sources", "math", "--proportions", "math=2", "--eval-sets", "heldout,gsm8k"])
+    config = config_from_args(args)
+    assert (config.feature_layers, config.sources, config.proportions) == ((3,), ("math",), {"math": 2.0})
+    command = exact_command(config)
     assert command.startswith("flashdraft train ") and "--no-init-from-target" in command
-    again = parser.parse_args(__import__("shlex").split(command)[1:])
-    assert {k: v for k, v in vars(again).items() if k != "func"} == {k: v for k, v in vars(args).items() if k != "func"}
+    assert config_from_args(parser.parse_args(shlex.split(command)[1:])) == config
+
+
+def test_the_command_line_defaults_are_the_configs_and_the_trainers(tmp_path):
+    """One place for every default: the options', TrainConfig's and the data stages' all come from PipelineConfig."""
+    import inspect
+
+    from flashdraft.train.labels import label_responses
+    from flashdraft.train.loss import DEFAULT_CHUNK
+    from flashdraft.train.regenerate import regenerate  # (the package's `regenerate` may be the module by now)
+    from flashdraft.train.trainer import TrainConfig
+
+    parser, train = train_parser()
+    args = parser.parse_args(["train", "-o", str(tmp_path / "d")])
+    defaults = PipelineConfig(output=tmp_path / "d")
+    assert config_from_args(args) == defaults
+    options = {action.dest: action for action in train._actions}
+    for item in fields(PipelineConfig):  # the help shows the default the option has
+        if item.metadata["shown"] is None and default_of(item) not in (None, MISSING):
+            assert f"(default: {format_setting(default_of(item))})" in options[item.name].help, item.name
+    assert defaults.train_config() == TrainConfig()
+    assert (TrainConfig().grad_accum, TrainConfig().eval_every, TrainConfig().eval_max_new_tokens) == (4, 500, 128)
+    assert defaults.loss_chunk == DEFAULT_CHUNK
+    for function, length in ((regenerate, "max_new_tokens"), (label_responses, "max_response_tokens")):
+        parameters = inspect.signature(function).parameters
+        assert parameters[length].default == defaults.max_new_tokens == 256
+        assert parameters["top_k"].default == defaults.store_top_k
+        assert parameters["batch_size"].default == defaults.data_batch_size
+
+
+def test_a_config_parses_the_command_line_text_forms_and_refuses_bad_settings_when_made(tmp_path):
+    config = PipelineConfig(output=str(tmp_path / "d"), prompts=str(tmp_path / "a.jsonl"), feature_layers="4",
+                            sources="none", proportions={"math": 1}, eval_sets="heldout, gsm8k")
+    assert config.prompts == (tmp_path / "a.jsonl",) and config.output == tmp_path / "d"
+    assert (config.feature_layers, config.sources, config.proportions) == (4, (), {"math": 1.0})
+    assert config.eval_sets == ("heldout", "gsm8k")
+    bad = {"labels": ("made-up", "--labels must be one of regenerate, teacher-forced, both"),
+           "feature_layers": ("1,x", "--feature-layers takes a count or a comma list"),
+           "proportions": ("math", "--proportions takes name=weight pairs"),
+           "sources": ("math,poetry", "unknown prompt sources ['poetry']"),
+           "distill_weight": (0.5, "add --store-top-k K"),
+           "grad_accum": (0, "grad_accum must be a positive integer")}
+    for name, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            PipelineConfig(output=tmp_path / "d", **{name: value})
+
+
+def test_the_old_top_k_spelling_names_the_new_option(tmp_path, capsys):
+    for spelling in (["--top-k", "4"], ["--top-k=4"], ["--top-k"]):
+        with pytest.raises(SystemExit) as exit:
+            main(["train", "-o", str(tmp_path / "d"), *spelling])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--top-k is now --store-top-k" in err, err
+
+
+def test_the_pipeline_in_python_trains_the_same_bytes_as_the_command(target_folder, tmp_path):
+    prompt_file(tmp_path / "prompts.jsonl", with_response=True)
+    args = train_args(target_folder, tmp_path, "--labels", "both", "--store-top-k", "4", "--distill-weight", "0.5",
+                      "--draft-vocab-size", "32", "--eval-every", "0", "--seed", "3")
+    assert main(args) == 0
+    by_command = (tmp_path / "draft" / "model.safetensors").read_bytes()
+    card_command = json.loads((tmp_path / "draft" / "training.json").read_text())["command"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert config_from_args(build_parser().parse_args(shlex.split(card_command)[1:])) == config
+
+    torch.manual_seed(5)  # whatever the process drew before, the seed decides
+    config = PipelineConfig(
+        target=str(target_folder), output=tmp_path / "py-draft", work_dir=tmp_path / "py-work",
+        prompts=[tmp_path / "prompts.jsonl"], skip_eval_check=True, feature_layers=[0, 2], draft_layers=1,
+        block_size=4, max_new_tokens=10, max_steps=4, num_anchors=4, grad_accum=1, batch_size=2, heldout=2,
+        eval_every=0, eval_prompts=2, eval_max_new_tokens=6, checkpoint_every=2, device="cpu", labels="both",
+        store_top_k=4, distill_weight=0.5, draft_vocab_size=32, seed=3,
+    )
+    summary = run_pipeline(config)
+    assert summary.steps == 4
+    assert (tmp_path / "py-draft" / "model.safetensors").read_bytes() == by_command
+    assert run_pipeline(PipelineConfig(**{**vars(config), "until": "labels"})) is None  # cached: nothing to do
+
+
+def readme_training_section() -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return readme[readme.index("## Training a draft"):readme.index("## Benchmarking")]
+
+
+def test_the_readme_python_example_is_the_readme_try_it_first_command(monkeypatch, tmp_path):
+    import flashdraft.train
+
+    section = readme_training_section()
+    example = re.search(r"```python\n(from flashdraft.train import PipelineConfig, run_pipeline\n.*?)```", section,
+                        re.S).group(1)
+    called = []
+    monkeypatch.setattr(flashdraft.train, "run_pipeline", called.append)
+    exec(example, {})
+    command = re.search(r"^(flashdraft train -o tiny-draft .*?)$\n(?!\s)", section, re.S | re.M).group(1)
+    args = build_parser().parse_args(shlex.split(command.replace("\\\n", " "))[1:])
+    assert called == [config_from_args(args)]
 
 
 def test_trained_draft_decodes_losslessly(target_folder, tmp_path):

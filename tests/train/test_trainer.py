@@ -21,7 +21,15 @@ from flashdraft.train.features import FeatureStore, OnlineFeatures, build_featur
 from flashdraft.train.loss import DraftVocabulary
 from flashdraft.train.records import TrainingRecord
 from flashdraft.train.trainer import TrainConfig, Trainer, _lr_factor, init_from_target, save_trained_draft
-from train.tiny_training import FEATURE_LAYERS, MASK, VOCAB, one_thread, pattern_sequences, target_and_draft  # noqa: F401
+from train.tiny_training import (  # noqa: F401
+    FEATURE_LAYERS,
+    MASK,
+    VOCAB,
+    one_thread,
+    pattern_sequences,
+    target_and_draft,
+    tiny_config,
+)
 
 
 def weights(draft):
@@ -31,14 +39,14 @@ def weights(draft):
 def make_trainer(tmp_path, name="run", *, draft_seed=1, sequences=None, config=None, **kwargs):
     target, draft = target_and_draft(draft_seed=draft_seed)
     sequences = sequences if sequences is not None else pattern_sequences(12)
-    config = config or TrainConfig(num_anchors=4, batch_size=2, epochs=2, checkpoint_every=3, learning_rate=3e-3,
+    config = config or tiny_config(num_anchors=4, batch_size=2, epochs=2, checkpoint_every=3, learning_rate=3e-3,
                                    log_every=2)
     return Trainer(draft, target, sequences, OnlineFeatures(target, FEATURE_LAYERS), tmp_path / name, config,
                    progress=False, **kwargs)
 
 
 def test_learns_a_pattern(tmp_path):
-    config = TrainConfig(num_anchors=8, batch_size=4, max_steps=60, learning_rate=1e-2, warmup_ratio=0.1,
+    config = tiny_config(num_anchors=8, batch_size=4, max_steps=60, learning_rate=1e-2, warmup_ratio=0.1,
                          checkpoint_every=100)
     trainer = make_trainer(tmp_path, sequences=pattern_sequences(64), config=config,
                            heldout=pattern_sequences(8, seed=9))
@@ -57,7 +65,7 @@ class Killed(Exception):
 
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     heldout = pattern_sequences(3, seed=5)
-    config = TrainConfig(num_anchors=4, batch_size=2, max_steps=10, checkpoint_every=3, eval_every=4,
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=10, checkpoint_every=3, eval_every=4,
                          learning_rate=3e-3)
     whole = make_trainer(tmp_path, "whole", config=config, heldout=heldout)
     whole_summary = whole.train()
@@ -86,14 +94,14 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
 
 
 def test_resume_with_other_settings_is_refused(tmp_path):
-    make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=2, max_steps=3, checkpoint_every=3)).train()
+    make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=2, max_steps=3, checkpoint_every=3)).train()
     with pytest.raises(ValueError, match="other settings.*global_batch"):
-        make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=3, max_steps=3))
+        make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=3, max_steps=3))
 
 
 def test_gradient_accumulation_equals_a_bigger_batch(tmp_path):
-    big = make_trainer(tmp_path, "big", config=TrainConfig(num_anchors=4, batch_size=4, max_steps=2))
-    accumulated = make_trainer(tmp_path, "acc", config=TrainConfig(num_anchors=4, batch_size=1, grad_accum=4,
+    big = make_trainer(tmp_path, "big", config=tiny_config(num_anchors=4, batch_size=4, max_steps=2))
+    accumulated = make_trainer(tmp_path, "acc", config=tiny_config(num_anchors=4, batch_size=1, grad_accum=4,
                                                                    max_steps=2))
     big.train()
     accumulated.train()
@@ -103,7 +111,7 @@ def test_gradient_accumulation_equals_a_bigger_batch(tmp_path):
 
 
 def test_each_epoch_sees_every_sequence_once_in_a_new_order(tmp_path):
-    trainer = make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=2, epochs=2))
+    trainer = make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=2, epochs=2))
     assert trainer.steps_per_epoch == 6 and trainer.total_steps == 12
     epochs = {0: [], 1: []}
     for step in range(12):
@@ -175,7 +183,7 @@ def test_trains_from_an_offline_store_like_online(tmp_path):
     target, _ = target_and_draft()
     sequences = pattern_sequences(12)
     store = build_feature_store(target, sequences, tmp_path / "f", FEATURE_LAYERS, dtype="float32", progress=False)
-    config = TrainConfig(num_anchors=4, batch_size=2, max_steps=3)
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=3)
     online = make_trainer(tmp_path, "online", config=config)
     target2, draft2 = target_and_draft()
     offline = Trainer(draft2, target2, sequences, store, tmp_path / "offline", config, progress=False)
@@ -190,7 +198,7 @@ def test_evaluates_by_speculative_decoding_keeps_the_best_and_writes_the_output(
     sequences = pattern_sequences(12)
     vocabulary, coverage = DraftVocabulary.most_frequent(sequences, 40, VOCAB)
     prompts = {"pattern": [s.input_ids[: s.response_start + 1].tolist() for s in pattern_sequences(2, seed=7)]}
-    config = TrainConfig(num_anchors=4, batch_size=2, max_steps=6, eval_every=2, eval_max_new_tokens=8)
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=6, eval_every=2, eval_max_new_tokens=8)
     trainer = make_trainer(tmp_path, sequences=sequences, config=config, vocabulary=vocabulary,
                            eval_prompts=prompts, heldout=pattern_sequences(2, seed=8))
     summary = trainer.train()
@@ -277,7 +285,7 @@ def test_empty_training_set_is_refused(tmp_path):
     with pytest.raises(ValueError, match="training set is empty"):
         make_trainer(tmp_path, sequences=[s for s in too_short if len(s.anchor_positions) == 0])
     with pytest.raises(ValueError, match="cannot fill one global batch"):
-        make_trainer(tmp_path, sequences=pattern_sequences(3), config=TrainConfig(batch_size=4))
+        make_trainer(tmp_path, sequences=pattern_sequences(3), config=tiny_config(batch_size=4))
 
 
 def test_unwritable_or_full_run_folder_is_refused(tmp_path, monkeypatch):
@@ -305,7 +313,7 @@ def test_bad_settings_are_refused():
 
 
 def test_cleanup_of_old_checkpoints(tmp_path):
-    trainer = make_trainer(tmp_path, config=TrainConfig(num_anchors=4, batch_size=2, max_steps=7, checkpoint_every=2,
+    trainer = make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=2, max_steps=7, checkpoint_every=2,
                                                         keep_checkpoints=2))
     trainer.train()
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
@@ -317,7 +325,7 @@ def test_a_bfloat16_target_trains_a_float32_draft_under_autocast(tmp_path):
     target = target.to(torch.bfloat16)
     before = weights(draft)
     trainer = Trainer(draft, target, pattern_sequences(8), OnlineFeatures(target, FEATURE_LAYERS), tmp_path / "r",
-                      TrainConfig(num_anchors=4, batch_size=2, max_steps=2), eval_prompts={"p": [[5, 6, 7, 8]]},
+                      tiny_config(num_anchors=4, batch_size=2, max_steps=2), eval_prompts={"p": [[5, 6, 7, 8]]},
                       progress=False)
     summary = trainer.train()
     assert math.isfinite(summary.final_loss)
@@ -334,7 +342,7 @@ def test_evaluation_tau_is_the_tau_of_real_decoding(tmp_path):
     sequences = [TrainingSequence.from_record(TrainingRecord(id=f"s{i}", source="own", input_ids=p + a,
                                                              response_start=len(p)), max_length=64)
                  for i, (p, a) in enumerate(zip(prompts, answers))]
-    config = TrainConfig(num_anchors=8, batch_size=4, max_steps=60, learning_rate=1e-2, eval_max_new_tokens=24,
+    config = tiny_config(num_anchors=8, batch_size=4, max_steps=60, learning_rate=1e-2, eval_max_new_tokens=24,
                          checkpoint_every=100)
     trainer = make_trainer(tmp_path, sequences=sequences[:36], config=config, eval_prompts={"own": prompts[36:]})
     trainer.train()

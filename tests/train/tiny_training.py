@@ -10,6 +10,7 @@ import torch
 from flashdraft import DFlashDraftModel
 from flashdraft.train.blocks import TrainingSequence
 from flashdraft.train.records import TrainingRecord
+from flashdraft.train.trainer import TrainConfig
 
 from tiny import tiny_target
 
@@ -36,6 +37,12 @@ def pattern_sequences(count: int, seed: int = 0, min_length: int = 12, max_lengt
                                 input_ids=prompt + response, response_start=len(prompt))
         sequences.append(TrainingSequence.from_record(record, max_length=64))
     return sequences
+
+
+def tiny_config(**settings) -> TrainConfig:
+    """Trainer settings for the tiny runs: one micro-batch per step, evaluation at the end only, short evaluation
+    answers, unless a test says otherwise (the defaults, `PipelineConfig`'s, are sized for real training)."""
+    return TrainConfig(**{"grad_accum": 1, "eval_every": 0, "eval_max_new_tokens": 64, **settings})
 
 
 def target_and_draft(seed: int = 0, draft_seed: int = 1, block_size: int = 4, num_layers: int = 1):
