@@ -1,7 +1,7 @@
 """Load benchmark of `flashdraft serve` on loopback: requests per second, time to first token and time per output
 token (p50/p95), and errors, at several concurrencies.
 
-    python benchmarks/scripts/bench_serve.py --no-draft --requests 16 --max-tokens 32 --concurrency 1 4 16
+    python scripts/bench_serve.py --no-draft --requests 16 --max-tokens 32 --concurrency 1 4 16
 
 Starts `flashdraft serve` in a subprocess on a free loopback port (the default target and its shipped draft unless
 told otherwise; --fresh-draft serves a freshly initialised, untrained draft saved to a temporary folder), waits for

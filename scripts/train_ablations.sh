@@ -15,7 +15,7 @@ REGEN="--target smollm2-135m-instruct --work-dir $WORK_REGEN --sources codeio,le
     --labels regenerate --max-new-tokens 256 --temperature 0 --data-batch-size 16 --seed 1 --label-minutes 0 --heldout 24"
 COMMON="--draft-layers 2 --block-size 16 --feature-layers 5 --max-steps 200 --num-anchors 64 --lr 1e-3 --batch-size 1
     --grad-accum 1 --eval-every 100 --eval-sets heldout,humaneval,gsm8k --eval-prompts 16 --eval-max-new-tokens 128"
-flashdraft train $TF $COMMON --work-dir "$WORK_TF" --top-k 0 --draft-vocab-size 8192 --run-name A -o "$OUT/A"
-flashdraft train $TF $COMMON --work-dir "$WORK_TF" --top-k 0 --draft-vocab-size 0 --run-name B -o "$OUT/B"
-flashdraft train $TF $COMMON --work-dir "$WORK_TOP8" --top-k 8 --distill-weight 1 --draft-vocab-size 8192 --run-name C -o "$OUT/C"
+flashdraft train $TF $COMMON --work-dir "$WORK_TF" --store-top-k 0 --draft-vocab-size 8192 --run-name A -o "$OUT/A"
+flashdraft train $TF $COMMON --work-dir "$WORK_TF" --store-top-k 0 --draft-vocab-size 0 --run-name B -o "$OUT/B"
+flashdraft train $TF $COMMON --work-dir "$WORK_TOP8" --store-top-k 8 --distill-weight 1 --draft-vocab-size 8192 --run-name C -o "$OUT/C"
 flashdraft train $REGEN $COMMON --draft-vocab-size 8192 --run-name D -o "$OUT/D"

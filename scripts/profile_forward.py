@@ -1,6 +1,6 @@
 """Where a target forward and a draft pass spend their time on this CPU (issue: a faster exact engine on CPU).
 
-    python benchmarks/scripts/profile_forward.py --target smollm2-135m-instruct --sizes 1 4 16 --threads 2
+    python scripts/profile_forward.py --target smollm2-135m-instruct --sizes 1 4 16 --threads 2
 
 For each forward size n: the target runs n new tokens after a cached context (as a verification does), under
 `torch.profiler`; the time is split by the module the operator ran in (the output head, the attention and MLP

@@ -1,7 +1,7 @@
 """Throughput of draft training on a real target: target feature extraction (tokens/s) and training steps
 (blocks/s, sequence tokens/s) with the full or a reduced drafting vocabulary, hard labels or top-k distillation.
 
-    python benchmarks/scripts/train_throughput.py --target smollm2-135m-instruct --sequences 24 --steps 6
+    python scripts/train_throughput.py --target smollm2-135m-instruct --sequences 24 --steps 6
 
 The sequences are real prompts with their existing responses (a decontaminated seeded mix of the built-in
 sources), labelled by the target under teacher forcing with its top-k (not timed here: see
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--num-anchors", type=int, default=64, help="blocks per sequence")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per configuration")
-    parser.add_argument("--top-k", type=int, default=8, help="stored top-k for distillation")
+    parser.add_argument("--store-top-k", type=int, default=8, help="stored top-k for distillation")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="configurations to time, comma separated: VOCAB-LABELS, VOCAB full/8k/4k, LABELS "
                         "hard (cross-entropy) or distill (top-k distillation)")
@@ -86,7 +86,7 @@ def main() -> None:
     model, tokenizer = load_target(args.target)
     config = model.config.get_text_config()
     layer_ids = default_target_layer_ids(config.num_hidden_layers, 5)
-    sequences = labelled_sequences(model, tokenizer, args.sequences, args.max_response_tokens, args.top_k, 0)
+    sequences = labelled_sequences(model, tokenizer, args.sequences, args.max_response_tokens, args.store_top_k, 0)
     tokens = sum(len(s) for s in sequences)
     results = {"target": args.target, "sequences": len(sequences), "tokens": tokens, "threads": args.threads,
                "load_average": os.getloadavg()[0], "features": {}, "training": {}}
