@@ -18,7 +18,7 @@ import torch
 from .pipeline import PipelineConfig
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
-from .regenerate import BYTES_PER_TOKEN, BYTES_PER_TOPK_ENTRY, model_identity, stop_token_ids, top_k_of
+from .regenerate import BYTES_PER_TOKEN, BYTES_PER_TOPK_ENTRY, model_identity, required_stop_token_ids, top_k_of
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ def label_batch(
 
 def label_settings(model, tokenizer, *, max_response_tokens: int, top_k: int, batch_size: int) -> dict:
     """The settings a record folder of `label_responses` is made with (its meta.json)."""
-    end_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else stop_token_ids(model, tokenizer)[0]
+    end_token_id = tokenizer.eos_token_id
+    if end_token_id is None:
+        end_token_id = required_stop_token_ids(model, tokenizer)[0]
     return {
         "stage": "labels",
         **model_identity(model),

@@ -23,7 +23,7 @@ BYTES_PER_TOKEN = 8  # a token id in JSON with its separator
 BYTES_PER_TOPK_ENTRY = 20  # an id and a probability
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
+def required_stop_token_ids(model, tokenizer) -> list[int]:
     """The ids that end a response (`flashdraft.text.stop_token_ids`); a target without any is refused, since its
     responses would never end."""
     ids = list(text.stop_token_ids(model, tokenizer))
@@ -87,7 +87,7 @@ def regenerate_settings(model, tokenizer, *, max_new_tokens: int, temperature: f
         "top_k": top_k,
         "batch_size": batch_size,
         "seed": seed,
-        "stop_token_ids": stop_token_ids(model, tokenizer),
+        "stop_token_ids": required_stop_token_ids(model, tokenizer),
     }
 
 

@@ -14,7 +14,7 @@ from flashdraft.train import records
 from flashdraft.train.labels import label_responses
 from flashdraft.train.prompts import Prompt, encode_prompt, user_prompt
 from flashdraft.train.records import read_meta, read_records
-from flashdraft.train.regenerate import regenerate, stop_token_ids
+from flashdraft.train.regenerate import regenerate, required_stop_token_ids
 
 from tiny import greedy_reference, tiny_target, tiny_tokenizer
 
@@ -57,7 +57,7 @@ def test_batched_regeneration_equals_greedy_generate_per_prompt(tmp_path, arch):
     model = with_stop_token(tiny_target(arch, seed=1), prompts)
     stats = regenerate(model, TOKENIZER, prompts, tmp_path, max_new_tokens=MAX_NEW, batch_size=3, progress=False)
     got = responses(tmp_path)
-    stops = stop_token_ids(model, TOKENIZER)  # the generation config's end token and the tokenizer's
+    stops = required_stop_token_ids(model, TOKENIZER)  # the generation config's end token and the tokenizer's
     for prompt in prompts:
         assert got[prompt.id] == greedy_reference(model, encode_prompt(TOKENIZER, prompt), MAX_NEW, stops)
     lengths = [len(r) for r in got.values()]
