@@ -74,7 +74,7 @@ class TargetModel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached forward. Returns logits [1, n or logits_to_keep, V] and, when `layer_ids` is given, the
         concatenated hidden states of those layers [1, n, k*d] (layer i is hidden_states[i + 1])."""
-        selected = [i + 1 for i in layer_ids] if layer_ids else False
+        selected = hidden_state_indices(layer_ids) if layer_ids else False
         output = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -87,6 +87,31 @@ class TargetModel:
         if selected:
             features = torch.cat([output.hidden_states[i] for i in selected], dim=-1)
         return output.logits, features
+
+    @torch.no_grad()
+    def padded_hidden_states(
+        self, sequences: Sequence[Sequence[int] | torch.Tensor], layer_ids: Sequence[int] | None, pad_token_id: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One right-padded forward over token sequences, no cache. Returns the concatenated hidden states of
+        `layer_ids` [b, W, k*d] (without layer ids: the final hidden states, before the head, [b, W, d]) and the
+        attention mask [b, W]. Right padding keeps each sequence at positions 0..len-1, unaffected by the pads
+        after it."""
+        device = self.device
+        width = max(len(ids) for ids in sequences)
+        input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+        for row, ids in enumerate(sequences):
+            input_ids[row, : len(ids)] = torch.as_tensor(ids, device=device)
+            attention_mask[row, : len(ids)] = 1
+        if not layer_ids:
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return hidden, attention_mask
+        selected = hidden_state_indices(layer_ids)
+        output = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=selected, use_cache=False,
+            logits_to_keep=1,
+        )
+        return torch.cat([output.hidden_states[i] for i in selected], dim=-1), attention_mask
 
     @staticmethod
     def rollback(cache: DynamicCache, num_tokens: int) -> None:
@@ -153,6 +178,11 @@ class TargetModel:
             ).logits[:, -1]
             next_position = next_position + 1
         return responses
+
+
+def hidden_state_indices(layer_ids: Sequence[int]) -> list[int]:
+    """transformers' `hidden_states[0]` is the embedding output: target layer i is `hidden_states[i + 1]`."""
+    return [i + 1 for i in layer_ids]
 
 
 def synchronize(device: torch.device) -> None:

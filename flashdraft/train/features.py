@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..target import TargetModel
 from .blocks import TrainingSequence
 from .records import exclusive, plan_batches
 from .regenerate import model_identity
@@ -58,22 +59,9 @@ def check_feature_layers(layer_ids: Sequence[int], num_target_layers: int) -> No
 
 @torch.no_grad()
 def extract_features(model, sequences: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
-    """[b, L, k*d]: the concatenated hidden states of `layer_ids` (layer i = hidden_states[i + 1]) for token
-    sequences of lengths <= L, run as one right-padded batch; padding positions are zeros."""
-    device = model.device
-    width = max(len(ids) for ids in sequences)
-    input_ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-    attention_mask = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-    for row, ids in enumerate(sequences):
-        input_ids[row, : len(ids)] = ids.to(device)
-        attention_mask[row, : len(ids)] = 1
-    selected = [i + 1 for i in layer_ids]
-    # Right padding leaves each sequence at positions 0..len-1, unaffected by the pads after it.
-    output = model(
-        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=selected, use_cache=False,
-        logits_to_keep=1,
-    )
-    features = torch.cat([output.hidden_states[i] for i in selected], dim=-1)
+    """[b, L, k*d]: the concatenated hidden states of `layer_ids` for token sequences of lengths <= L, run as one
+    right-padded batch (`TargetModel.padded_hidden_states`); padding positions are zeros."""
+    features, attention_mask = TargetModel(model).padded_hidden_states(sequences, list(layer_ids))
     return features * attention_mask[:, :, None].to(features.dtype)
 
 

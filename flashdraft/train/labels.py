@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..target import TargetModel
 from .pipeline import PipelineConfig
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
@@ -43,16 +44,9 @@ def label_batch(
 ) -> list[tuple[list[int], tuple[list[list[int]], list[list[float]]] | None]]:
     """One right-padded forward over (ids, response start) pairs. For each: the argmax of the target's logits that
     predict each response position (the logits at the position before it), and optionally their top-k."""
-    device = model.device
-    width = max(len(ids) for ids, _ in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long, device=device)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
-    for row, (ids, _) in enumerate(sequences):
-        input_ids[row, : len(ids)] = torch.tensor(ids, device=device)
-        attention_mask[row, : len(ids)] = 1
-    # Right padding leaves the real tokens at positions 0..len-1, unaffected by the pads after them.
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, width, d]
-    head = model.get_output_embeddings()
+    target = TargetModel(model)
+    hidden, _ = target.padded_hidden_states([ids for ids, _ in sequences], None, pad_token_id)  # [b, width, d]
+    head = target.lm_head
     results = []
     for row, (ids, start) in enumerate(sequences):
         predicting = hidden[row, start - 1 : len(ids) - 1]  # [response length, d]
