@@ -20,7 +20,8 @@ from dataclasses import MISSING, Field, fields
 
 # The options start a new help group at these fields (the options follow PipelineConfig's fields in order).
 GROUPS = {"prompts": "prompts", "labels": "target-written data", "features": "features", "epochs": "training"}
-# Defined below by hand rather than from the config: they will be shared with the other model-loading commands.
+# Defined below by hand rather than from the config: --device and --dtype are shared with the other model-loading
+# commands (flashdraft/commands/options.py), with the same defaults as the config's.
 OWN_OPTIONS = ("target", "device", "dtype")
 # Old spellings: using one fails in one line that names the new option.
 RENAMED = {"--top-k": ("--store-top-k", "how many of the target's probabilities to store; --top-k is a sampling "
@@ -42,15 +43,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from flashdraft.commands.options import add_device_options
     from flashdraft.models import DEFAULT_TARGET
     from flashdraft.train.pipeline import PipelineConfig
 
-    add = parser.add_argument_group("target and draft").add_argument
+    group = parser.add_argument_group("target and draft")
+    add = group.add_argument
     add("--target", default=DEFAULT_TARGET,
         help=f"registry name, folder or hub id of the target (default: {DEFAULT_TARGET})")
-    add("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-        help="target weights' dtype; the draft trains in float32 under autocast when this is lower (default: float32)")
+    add_device_options(group)  # under torchrun, auto is each process's own GPU (cuda:LOCAL_RANK)
     for item in fields(PipelineConfig):
         if item.name in GROUPS:
             add = parser.add_argument_group(GROUPS[item.name]).add_argument

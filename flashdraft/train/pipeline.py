@@ -94,10 +94,12 @@ class PipelineConfig:
     init_draft: Path | None = setting(
         None, "start from the weights of this draft folder instead (e.g. to continue on more data under a new "
         "--run-name); its layers, block size, feature layers and mask token must match the options", type=Path)
-    device: str | None = setting(None, "torch device", shown="cuda when available, else cpu", type=str)
+    device: str = setting(
+        "auto", "torch device", shown="auto = this process's GPU (cuda:LOCAL_RANK) when there is one, else the CPU",
+        type=str)
     dtype: str = setting(
-        "float32", "target weights' dtype; the draft trains in float32 under autocast when this is lower",
-        choices=("float32", "bfloat16", "float16"))
+        "auto", "target weights' dtype; the draft trains in float32 under autocast when this is lower",
+        shown="auto = bfloat16 on a GPU, float32 on a CPU", choices=("auto", "float32", "bfloat16", "float16"))
     threads: int | None = setting(
         None, "torch CPU threads; on a CPU shared with other jobs use 1, or set OMP_WAIT_POLICY=PASSIVE in the "
         "environment: spinning threads can make training several times slower",
@@ -577,7 +579,7 @@ def run_pipeline(config: PipelineConfig) -> TrainSummary | None:
     Everything that can be refused without running the target is refused before anything is written."""
     import torch
 
-    from .distributed import setup_distributed
+    from .distributed import cleanup, setup_distributed
     from .records import exclusive
     from .trainer import ensure_writable
 
@@ -586,7 +588,7 @@ def run_pipeline(config: PipelineConfig) -> TrainSummary | None:
     train_config = config.train_config()
     if config.threads:
         torch.set_num_threads(config.threads)
-    dist = setup_distributed(config.device)
+    dist = setup_distributed(None if config.device == "auto" else config.device)
     distributed = dist.world_size > 1
     if distributed and config.until != "train":
         raise ValueError("under torchrun / accelerate launch only the train stage runs: run the data stages first "
@@ -606,8 +608,11 @@ def run_pipeline(config: PipelineConfig) -> TrainSummary | None:
     lock = (exclusive(run_dir / ".lock", f"another run is training in {run_dir}: wait for it to finish, or give this "
                       "one another --run-name")
             if dist.is_main and config.until == "train" else nullcontext())
-    with lock:
-        return _run_stages(config, command, train_config, dist, work, output, run_dir, settings)
+    try:
+        with lock:
+            return _run_stages(config, command, train_config, dist, work, output, run_dir, settings)
+    finally:
+        cleanup()  # leaves the process group, when there is one
 
 
 def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: Path, output: Path, run_dir: Path,
@@ -624,7 +629,8 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     from .prompts import read_prompt_file
     from .trainer import Trainer, init_from_target, save_trained_draft, seed_everything
 
-    model, tokenizer = load_target(config.target, device=dist.device, dtype=getattr(torch, config.dtype))
+    dtype = config.dtype if config.dtype != "auto" else "bfloat16" if dist.device.type == "cuda" else "float32"
+    model, tokenizer = load_target(config.target, device=dist.device, dtype=getattr(torch, dtype))
     text_config = model.config.get_text_config()
     layer_ids = _resolve_feature_layers(config.feature_layers, text_config.num_hidden_layers)
     mask_token_id = _mask_token_id(config, tokenizer, model.get_input_embeddings().weight.shape[0])
