@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 
@@ -59,6 +60,23 @@ class TargetModel:
     def head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[b, n, d] final hidden states -> [b, n, V] logits."""
         return self.lm_head(hidden_states)
+
+    def head_rows(self, token_ids: torch.Tensor | None) -> nn.Module:
+        """The output head restricted to the rows of `token_ids` (a draft's drafting vocabulary), frozen; the whole
+        head for None. A draft's logits then cost only the rows it drafts over."""
+        head = self.lm_head
+        if token_ids is None:
+            return head
+        rows = nn.Linear(head.in_features, len(token_ids), bias=head.bias is not None)
+        rows.weight = nn.Parameter(head.weight[token_ids].detach(), requires_grad=False)
+        if head.bias is not None:
+            rows.bias = nn.Parameter(head.bias[token_ids].detach(), requires_grad=False)
+        return rows.to(head.weight.device)
+
+    def freeze(self) -> None:
+        """No gradient for any of the target's weights (training a draft against it)."""
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)

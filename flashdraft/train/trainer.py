@@ -291,16 +291,15 @@ class Trainer:
         self.progress = progress and self.dist.is_main
         self.run_dir = Path(run_dir)
 
-        for parameter in self.target.model.parameters():
-            parameter.requires_grad_(False)
+        self.target.freeze()
         self.draft = draft.to(self.dist.device).train()
         self.vocabulary = vocabulary
-        head = self.target.lm_head
-        self.head_weight, self.head_bias = head.weight.detach(), head.bias
         if vocabulary is not None:
             draft.set_draft_vocab(vocabulary.ids)
-            self.head_weight = self.head_weight[vocabulary.ids.to(self.head_weight.device)]
-            self.head_bias = self.head_bias[vocabulary.ids] if self.head_bias is not None else None
+        # The loss runs through the target's head, restricted to the drafting vocabulary's rows when there is one.
+        head = self.target.head_rows(vocabulary.ids.to(self.target.device) if vocabulary is not None else None)
+        self.head_weight = head.weight.detach()
+        self.head_bias = head.bias.detach() if head.bias is not None else None
         self.gamma = config.gamma or default_gamma(draft.block_size)
         self.position_weights = position_weights(draft.block_size, self.gamma)
         self.model = draft
