@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from .sampling import SamplingParams, probabilities, sample
+
 
 class TargetModel:
     """A causal LM wrapped for speculative decoding (batch size 1)."""
@@ -210,8 +212,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def _pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """[b, V] logits -> [b] next tokens: argmax at temperature 0, else a sample from softmax(logits / T)."""
+    """[b, V] logits -> [b] next tokens: argmax at temperature 0, else a draw from softmax(logits / T) with the
+    decoding loop's own sampler, on the generator's device."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    probs = probabilities(logits, SamplingParams(temperature))
+    return sample(probs.to(generator.device if generator is not None else "cpu"), generator).to(logits.device)
