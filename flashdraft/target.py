@@ -55,6 +55,16 @@ class TargetModel:
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
 
+    def identity(self) -> dict:
+        """What tells one target from another in the settings that data and caches are keyed by: its name (or
+        folder) and its shape. Record folders store it, so its keys and values must stay as they are."""
+        return {
+            "model": getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__,
+            "num_layers": self.config.num_hidden_layers,
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": self.config.vocab_size,
+        }
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[b, n] token ids -> [b, n, d] input embeddings."""
         return self.embed_tokens(input_ids)

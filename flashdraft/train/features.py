@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 from ..target import TargetModel
 from .blocks import TrainingSequence
 from .records import exclusive, plan_batches
-from .regenerate import model_identity
 
 META_FILE = "meta.json"
 DATA_FILE = "features.bin"
@@ -132,7 +131,7 @@ def _build_feature_store(model, sequences, folder: Path, layer_ids, dtype: str, 
     width = len(layer_ids) * model.config.get_text_config().hidden_size
     offsets = np.cumsum([0] + [len(s) for s in sequences]).tolist()
     meta = {
-        **model_identity(model),
+        **TargetModel(model).identity(),
         "layer_ids": list(layer_ids),
         "dtype": dtype,
         "width": width,

@@ -19,7 +19,7 @@ from ..target import TargetModel
 from .pipeline import PipelineConfig
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
-from .regenerate import BYTES_PER_TOKEN, BYTES_PER_TOPK_ENTRY, model_identity, required_stop_token_ids, top_k_of
+from .regenerate import BYTES_PER_TOKEN, BYTES_PER_TOPK_ENTRY, required_stop_token_ids, top_k_of
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def label_settings(model, tokenizer, *, max_response_tokens: int, top_k: int, ba
         end_token_id = required_stop_token_ids(model, tokenizer)[0]
     return {
         "stage": "labels",
-        **model_identity(model),
+        **TargetModel(model).identity(),
         "max_response_tokens": max_response_tokens,
         "top_k": top_k,
         "batch_size": batch_size,

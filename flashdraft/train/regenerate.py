@@ -32,17 +32,6 @@ def required_stop_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def model_identity(model) -> dict:
-    """What distinguishes one target from another in the settings of a record folder."""
-    config = model.config.get_text_config()
-    return {
-        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
-        "num_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-    }
-
-
 def top_k_of(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """[n, V] logits -> the k most probable ids per row and their probabilities (temperature 1, 6 digits)."""
     probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
@@ -81,7 +70,7 @@ def regenerate_settings(model, tokenizer, *, max_new_tokens: int, temperature: f
     """The settings a record folder of `regenerate` is made with (its meta.json): records made with others differ."""
     return {
         "stage": "regenerate",
-        **model_identity(model),
+        **TargetModel(model).identity(),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_k": top_k,
