@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .files import write_atomic
+from .sampling import SamplingParams
 from .target import TargetModel, synchronize
 
 MEASURED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -83,7 +84,7 @@ def measure_draft_seconds(proposer, target: TargetModel, block_size: int, contex
         proposer.begin(context_length + block_size)
         synchronize(target.device)
         began = time.perf_counter()
-        proposer.propose(anchor, context, context_length, block_size)
+        proposer.propose(anchor, context, context_length, block_size, block_size, SamplingParams(), None)
         synchronize(target.device)
         times.append(time.perf_counter() - began)
     return statistics.median(times[1:])

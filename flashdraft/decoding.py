@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from .adaptive import BlockSizeController, cached_costs
@@ -60,22 +59,48 @@ class GenerationResult:
         return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
 
 
+GREEDY = SamplingParams()
+
+
 class Proposer(Protocol):
-    """What the loop needs from a draft: logits for the B-1 positions after an anchor.
+    """What the loop needs from a draft: `size - 1` proposed target token ids after an anchor and, when sampling,
+    the distribution q over the target's vocabulary they were drawn from (`draft_tokens` turns logits into both).
 
     `context` holds the target features of the positions verified since the last call (the prompt on the
-    first call), which end right before the anchor at position `start`.
+    first call), which end right before the anchor at position `start`. `block_size` is the block the draft
+    drafts (always its own size, or more): only the first `size - 1` of its proposals are used.
     """
 
     target_layer_ids: list[int] | None
-    vocab_ids: torch.Tensor | None  # [V_draft] target ids of the proposer's logits' columns; None: all V
     block_size: int | None  # the block size it drafts best at (the draft's training size), if any
 
     def begin(self, max_positions: int) -> None: ...
 
     def propose(
-        self, anchor: torch.Tensor, context: torch.Tensor | None, start: int, block_size: int
-    ) -> torch.Tensor: ...  # [block_size - 1, V_draft]
+        self, anchor: torch.Tensor, context: torch.Tensor | None, start: int, block_size: int, size: int,
+        params: SamplingParams, generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # proposals [size - 1], q [size - 1, V] or None when greedy
+
+
+def draft_tokens(
+    logits: torch.Tensor,  # [n, V_draft] the draft's logits
+    vocab_ids: torch.Tensor | None,  # [V_draft] the target ids of the logits' columns; None: all V
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    vocab_size: int,  # V, the target's vocabulary
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft's logits -> (proposals [n] target ids, q [n, V] or None when greedy): the argmax when greedy, else a
+    draw from the logits warped like the target's (the same `probabilities`, so q matches p's shaping)."""
+    if params.greedy:
+        proposals, q = logits.argmax(dim=-1), None
+    else:
+        q = probabilities(logits, params)
+        proposals = sample(q, generator)
+    if vocab_ids is not None:  # map drafting-vocabulary columns back to target ids
+        proposals = vocab_ids[proposals]
+        if q is not None:
+            q = q.new_zeros(len(proposals), vocab_size).index_copy_(1, vocab_ids, q)
+    return proposals, q
 
 
 class DFlashProposer:
@@ -88,15 +113,8 @@ class DFlashProposer:
         self.target_layer_ids = draft.target_layer_ids
         self.vocab_ids = draft.draft_vocab_ids
         self.block_size = draft.block_size
-        head = target.lm_head
-        if self.vocab_ids is None:
-            self.head = head
-        else:  # only the rows of the drafting vocabulary: the full head dominates a small draft's cost
-            rows = nn.Linear(head.in_features, len(self.vocab_ids), bias=head.bias is not None)
-            rows.weight = nn.Parameter(head.weight[self.vocab_ids].detach(), requires_grad=False)
-            if head.bias is not None:
-                rows.bias = nn.Parameter(head.bias[self.vocab_ids].detach(), requires_grad=False)
-            self.head = rows
+        # Only the rows of the drafting vocabulary, if any: the full head dominates a small draft's cost.
+        self.head = target.head_rows(self.vocab_ids)
 
     def begin(self, max_positions: int) -> None:
         device = self.target.device
@@ -106,7 +124,8 @@ class DFlashProposer:
         self.mask_ids = torch.full((1, max_positions), self.draft.mask_token_id, device=device)
 
     @torch.no_grad()
-    def propose(self, anchor, context, start, block_size):
+    def logits(self, anchor, context, start, block_size) -> torch.Tensor:
+        """[block_size - 1, V_draft] logits of the block after the anchor."""
         block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
         first_position = start - context.shape[1]
         dtype = self.draft.dtype  # a draft may run in another precision than its target
@@ -116,6 +135,12 @@ class DFlashProposer:
         )
         self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
         return self.head(hidden[:, 1:].to(self.head.weight.dtype))[0]  # the anchor's output is dropped
+
+    @torch.no_grad()
+    def propose(self, anchor, context, start, block_size, size=None, params=GREEDY, generator=None):
+        """`Proposer.propose`; by default the whole block, greedily."""
+        logits = self.logits(anchor, context, start, block_size)[: (size or block_size) - 1]
+        return draft_tokens(logits, self.vocab_ids, params, generator, self.target.vocab_size)
 
 
 def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:
@@ -273,87 +298,74 @@ def _decode(
         return
     prompt_length = prompt.shape[1]
     max_positions = prompt_length + max_new_tokens
-    speculate = block_size > 1
-    layer_ids = proposer.target_layer_ids if speculate else None
+    layer_ids = proposer.target_layer_ids if block_size > 1 else None
     positions = torch.arange(max_positions, device=target.device)[None]
     cache = target.new_cache()
-    # The draft always runs at its own block size (it drafts worse at others); a round verifies `size` tokens.
+    # The draft always drafts at its own block size (it drafts worse at others); a round verifies `size` tokens.
     draft_size = max(block_size, getattr(proposer, "block_size", None) or 0)
-    if speculate:
+    if block_size > 1:
         proposer.begin(max_positions + draft_size)
+    pick, accept = _rules(params, generator)  # greedy or sampled, chosen once
+    no_proposals = torch.empty(0, dtype=torch.long, device=target.device)
+    no_q = None if params.greedy else torch.empty(0, target.vocab_size, device=target.device)
 
     # 1. Prefill: the prompt's KV cache, its features (the draft's first context) and the first new token.
     began = time.perf_counter()
     logits, features = target.forward(prompt, positions[:, :prompt_length], cache, layer_ids, logits_to_keep=1)
-    # Verified features the draft has not read yet, joined once when it next drafts (none for a featureless proposer).
-    pending = [features] if features is not None else []
-    anchor = _pick(logits[0], params, generator)  # [1]
-    first = anchor.item()
+    pending = [features] if features is not None else []  # verified features the draft has not read yet
+    anchor = pick(logits[0])  # [1], the last emitted token, not yet in the target's cache, at position `start`
     result.prefill_seconds = time.perf_counter() - began
-    began = time.perf_counter()
-    emitted, going_on = _emit([first], result, stop_ids, max_new_tokens)
+    began, start = time.perf_counter(), prompt_length
+    emitted, going_on = _emit([anchor.item()], result, stop_ids, max_new_tokens)
     yield emitted
-    if not going_on:
-        return
-
-    start = prompt_length  # position of the anchor: the last emitted token, not yet in the target's cache
-    no_proposals = torch.empty(0, dtype=torch.long, device=target.device)
-    while True:
-        # 2. Propose: B-1 tokens after the anchor (none when B == 1), never more than the budget needs.
+    while going_on:
+        # 2. Propose: size-1 target tokens after the anchor (none when size == 1), never more than the budget needs.
         size = min(controller.choose() if controller else block_size, max_new_tokens - len(result.tokens))
-        proposals, q = no_proposals, None
+        proposals, q = no_proposals, no_q
         if size > 1:
-            context = torch.cat(pending, dim=1) if len(pending) > 1 else (pending[0] if pending else None)
-            pending.clear()  # consumed: the draft's cache holds it now
-            draft_logits = proposer.propose(anchor, context, start, draft_size)[: size - 1]  # [B-1, V_draft]
-            if params.greedy:
-                proposals = draft_logits.argmax(dim=-1)
-            else:
-                q = probabilities(draft_logits, params)
-                proposals = sample(q, generator)
-            if proposer.vocab_ids is not None:  # map drafting-vocabulary columns back to target ids
-                proposals = proposer.vocab_ids[proposals]
-                if q is not None:
-                    q = q.new_zeros(size - 1, target.vocab_size).index_copy_(1, proposer.vocab_ids, q)
-        elif not params.greedy:
-            q = logits.new_empty(0, target.vocab_size)
+            proposals, q = proposer.propose(anchor, _take(pending), start, draft_size, size, params, generator)
 
         # 3. Verify: one target forward over [anchor, proposals] at their true positions.
-        block = torch.cat([anchor, proposals])[None]  # [1, B]
+        block = torch.cat([anchor, proposals])[None]  # [1, size]
         logits, features = target.forward(block, positions[:, start : start + size], cache, layer_ids)
 
         # 4. Accept: the longest valid prefix plus the target's own bonus token; one host sync per round.
-        if params.greedy:
-            accepted, bonus = accept_greedy(proposals, logits[0])
-        else:
-            accepted, bonus = accept_sampled(proposals, q, probabilities(logits[0], params), generator)
+        accepted, bonus = accept(proposals, q, logits[0])
         values = torch.cat([accepted.view(1), proposals, bonus.view(1)]).tolist()
         num_accepted = values[0]
-        new_tokens = values[1 : 1 + num_accepted] + [values[-1]]
 
         # 5. Roll back: the target's cache keeps the anchor and the accepted proposals; their features join
         #    the draft's pending context (rounds without drafting add theirs too); the bonus is the next anchor.
         target.rollback(cache, size - (num_accepted + 1))
         if features is not None:
             pending.append(features[:, : num_accepted + 1])
-        anchor = bonus.view(1)
-        start += num_accepted + 1
+        anchor, start = bonus.view(1), start + num_accepted + 1
         result.acceptance_lengths.append(num_accepted + 1)
         result.block_sizes.append(size)
         if controller:
             controller.observe(size, num_accepted)
-        emitted, going_on = _emit(new_tokens, result, stop_ids, max_new_tokens)
+        emitted, going_on = _emit(values[1 : 1 + num_accepted] + [values[-1]], result, stop_ids, max_new_tokens)
         result.decode_seconds = time.perf_counter() - began
         yield emitted
-        if not going_on:
-            return
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
-    """[1, V] logits -> [1] token: argmax, or a draw from the warped distribution."""
+def _rules(params: SamplingParams, generator: torch.Generator | None):
+    """The greedy or the sampled rules: (pick: [1, V] logits -> [1] token; accept: (proposals [B-1], q [B-1, V] or
+    None, target logits [B, V]) -> (accepted, bonus) 0-d tensors, see `flashdraft.sampling`)."""
     if params.greedy:
-        return logits.argmax(dim=-1)
-    return sample(probabilities(logits, params), generator)
+        return (lambda logits: logits.argmax(dim=-1)), (lambda proposals, q, logits: accept_greedy(proposals, logits))
+
+    def accept(proposals, q, logits):  # the module's accept_sampled, looked up when called
+        return accept_sampled(proposals, q, probabilities(logits, params), generator)
+
+    return (lambda logits: sample(probabilities(logits, params), generator)), accept
+
+
+def _take(pending: list[torch.Tensor]) -> torch.Tensor | None:
+    """The pending features joined (None when there are none) and cleared: the draft's cache holds them next."""
+    context = torch.cat(pending, dim=1) if len(pending) > 1 else (pending[0] if pending else None)
+    pending.clear()
+    return context
 
 
 def _emit(

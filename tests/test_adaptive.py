@@ -129,9 +129,9 @@ class RecordingProposer(DFlashProposer):
         super().begin(max_positions)
         self.calls = []
 
-    def propose(self, anchor, context, start, block_size):
+    def propose(self, anchor, context, start, *args):
         self.calls.append((start, context.shape[1]))
-        return super().propose(anchor, context, start, block_size)
+        return super().propose(anchor, context, start, *args)
 
 
 def test_rounds_without_drafting_still_give_the_draft_their_context(cpu_like_costs):

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from flashdraft import DFlashDraftModel
+from flashdraft.decoding import draft_tokens
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -103,7 +104,6 @@ class OracleProposer:
     """
 
     target_layer_ids = None
-    vocab_ids = None
 
     def __init__(self, prompt_length: int, continuation: list[int], vocab_size: int, wrong_at=frozenset()):
         self.prompt_length = prompt_length
@@ -115,7 +115,8 @@ class OracleProposer:
     def begin(self, max_positions: int) -> None:
         self.calls.clear()
 
-    def propose(self, anchor, context, start, block_size):
+    def propose(self, anchor, context, start, block_size, size, params, generator):
+        """One-hot logits over the whole block, of which the first `size - 1` rows go through the shared step."""
         self.calls.append((start, block_size))
         logits = torch.zeros(block_size - 1, self.vocab_size, device=anchor.device)
         for i in range(block_size - 1):
@@ -125,7 +126,7 @@ class OracleProposer:
             if position in self.wrong_at:
                 token = (token + 1) % self.vocab_size
             logits[i, token] = 10.0
-        return logits
+        return draft_tokens(logits[: size - 1], None, params, generator, self.vocab_size)
 
 
 def random_case(rng: random.Random) -> tuple[list[int], int, int]:

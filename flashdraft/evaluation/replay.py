@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding import Proposer, acceptance_histogram, tau
+from ..decoding import GREEDY, Proposer, acceptance_histogram, tau
 from ..files import write_atomic
 from ..models import cache_home
 from ..target import TargetModel
@@ -67,10 +67,7 @@ def replay(proposer: Proposer, text: ReplayText, block_size: int) -> list[int]:
         accepted = 0
         if size > 1:
             context = text.features[:, context_start:start]
-            logits = proposer.propose(ids[start : start + 1], context, start, draft_size)[: size - 1]
-            proposals = logits.argmax(dim=-1)
-            if proposer.vocab_ids is not None:
-                proposals = proposer.vocab_ids[proposals]
+            proposals, _ = proposer.propose(ids[start : start + 1], context, start, draft_size, size, GREEDY, None)
             matches = proposals == ids[start + 1 : start + size]
             accepted = int(matches.cumprod(dim=0).sum())
             context_start = start

@@ -40,8 +40,8 @@ class RecordingProposer(DFlashProposer):
         super().begin(max_positions)
         self.calls = []
 
-    def propose(self, anchor, context, start, block_size):
-        logits = super().propose(anchor, context, start, block_size)
+    def logits(self, anchor, context, start, block_size):
+        logits = super().logits(anchor, context, start, block_size)
         self.calls.append((start, context.shape[1], anchor.item(), logits))
         return logits
 

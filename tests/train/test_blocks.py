@@ -57,7 +57,7 @@ def test_training_forward_equals_decoding_draft_forward(arch, attn, window):
         proposer.begin(60 + BLOCK)
         previous = 0
         for j, anchor in enumerate(anchors):
-            inferred = proposer.propose(sequence.input_ids[anchor].view(1), features[:, previous:anchor], anchor, BLOCK)
+            inferred = proposer.logits(sequence.input_ids[anchor].view(1), features[:, previous:anchor], anchor, BLOCK)
             previous = anchor
             assert (trained[j] - inferred).abs().max() < 1e-5, f"block at anchor {anchor}"
 
@@ -74,7 +74,7 @@ def test_one_block_equals_a_fresh_proposer_at_any_anchor():
         for j, anchor in enumerate(anchors):
             proposer = DFlashProposer(draft, target)
             proposer.begin(40 + BLOCK)
-            inferred = proposer.propose(sequence.input_ids[anchor].view(1), features[:, :anchor], anchor, BLOCK)
+            inferred = proposer.logits(sequence.input_ids[anchor].view(1), features[:, :anchor], anchor, BLOCK)
             assert (trained[j] - inferred).abs().max() < 1e-5
 
 
