@@ -97,6 +97,8 @@ def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCo
     from .models import cache_home
 
     draft = getattr(proposer, "draft", None)
+    # Keyed by the architecture (the whole config), not by `TargetModel.identity`'s name: costs depend on shapes
+    # alone, so every folder of one architecture shares them.
     identity = json.dumps(
         {
             "model": target.config.to_json_string(use_diff=False),

@@ -104,11 +104,11 @@ def cached_greedy_answers(
     """`greedy_answers`, kept in `cache_dir` ($FLASHDRAFT_HOME/answers by default) under a key of the target (name,
     shapes, dtype, device and a checksum of its embeddings), the prompts and the settings: comparing drafts on the
     same prompts writes the answers once."""
-    embeddings = model.get_input_embeddings().weight.detach()
+    target = model if isinstance(model, TargetModel) else TargetModel(model)
+    embeddings = target.embed_tokens.weight.detach()
     key = json.dumps({
-        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
-        "shape": list(embeddings.shape), "dtype": str(embeddings.dtype), "device": embeddings.device.type,
-        "checksum": float(embeddings.double().sum()), "layers": model.config.get_text_config().num_hidden_layers,
+        **target.identity(), "dtype": str(embeddings.dtype), "device": embeddings.device.type,
+        "checksum": float(embeddings.double().sum()),  # the same name and shape with other weights answer otherwise
         "prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens, "stop_ids": list(stop_ids),
         "batch_size": batch_size,
     })

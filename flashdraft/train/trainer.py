@@ -530,7 +530,7 @@ class Trainer:
             self._eval_texts = {}
             with self._autocast():
                 for name, prompts in self.eval_prompts.items():
-                    answers = cached_greedy_answers(self.target.model, prompts, self.config.eval_max_new_tokens,
+                    answers = cached_greedy_answers(self.target, prompts, self.config.eval_max_new_tokens,
                                                     self.stop_token_ids, EVAL_BATCH, progress=False)
                     self._eval_texts[name] = [replay_text(self.target, self.draft.target_layer_ids, prompt, answer)
                                               for prompt, answer in zip(prompts, answers)]
