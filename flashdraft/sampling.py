@@ -109,8 +109,14 @@ def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple
     target's argmax after the last accepted token).
     """
     choice = target_logits.argmax(dim=-1)  # [B]
-    accepted = (proposals == choice[:-1]).cumprod(dim=0).sum()
+    accepted = matching_prefix(proposals, choice[:-1])
     return accepted, choice[accepted]
+
+
+def matching_prefix(proposals: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """0-d tensor: how many leading proposals equal the target's tokens at the same places (the greedy rule;
+    replay applies it to the target's recorded answer)."""
+    return (proposals == target_tokens).cumprod(dim=0).sum()
 
 
 def accept_sampled(

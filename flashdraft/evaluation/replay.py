@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ..decoding import GREEDY, Proposer, acceptance_histogram, tau
 from ..files import write_atomic
 from ..models import cache_home
+from ..sampling import matching_prefix
 from ..target import TargetModel
 
 
@@ -68,8 +69,7 @@ def replay(proposer: Proposer, text: ReplayText, block_size: int) -> list[int]:
         if size > 1:
             context = text.features[:, context_start:start]
             proposals, _ = proposer.propose(ids[start : start + 1], context, start, draft_size, size, GREEDY, None)
-            matches = proposals == ids[start + 1 : start + size]
-            accepted = int(matches.cumprod(dim=0).sum())
+            accepted = int(matching_prefix(proposals, ids[start + 1 : start + size]))
             context_start = start
         lengths.append(accepted + 1)
         start += accepted + 1

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..files import write_atomic
 from ..target import TargetModel
 from .blocks import TrainingSequence
 from .records import exclusive, plan_batches
@@ -178,15 +178,9 @@ def _build_feature_store(model, sequences, folder: Path, layer_ids, dtype: str, 
                 data[offsets[i] : offsets[i + 1]] = stored[row, : len(sequences[i])].numpy()
             data.flush()
             state.update(batches_done=number + 1, complete=number + 1 == len(batches))
-            _write_atomic(progress_path, json.dumps(state))
+            write_atomic(progress_path, json.dumps(state))
         del data
     return FeatureStore(folder)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 class FeatureStore:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..evaluation.datasets import DATASETS
+from ..files import write_atomic
 from ..models import DEFAULT_TARGET
 from .sources import DEFAULT_PROPORTIONS, SOURCES
 
@@ -475,9 +476,7 @@ def _make_prompts(config: PipelineConfig, work: Path, settings: dict):
         raise ValueError("the prompt set is empty: the prompt files hold no valid prompt")
     path, settings_path = work / PROMPTS_FILE, work / PROMPT_SETTINGS
     write_prompt_file(prompts, path)
-    temporary = settings_path.with_name(settings_path.name + ".tmp")
-    temporary.write_text(json.dumps(settings, indent=2) + "\n")
-    temporary.replace(settings_path)
+    write_atomic(settings_path, json.dumps(settings, indent=2) + "\n")
     counts = Counter(p.source for p in prompts)
     _say(f"prompts: {len(prompts)} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) -> {path}")
     return prompts

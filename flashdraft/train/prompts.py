@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import unicodedata
@@ -23,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..files import write_atomic
 from ..text import encode_chat
 
 logger = logging.getLogger(__name__)
@@ -148,11 +148,7 @@ def write_prompt_file(prompts: Iterable[Prompt], path: str | Path) -> None:
     reader never sees half a file, and a kill leaves the previous file whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with temporary.open("w", encoding="utf-8") as handle:
-        for prompt in prompts:
-            handle.write(json.dumps(prompt.to_json(), ensure_ascii=False) + "\n")
-    os.replace(temporary, path)
+    write_atomic(path, "".join(json.dumps(prompt.to_json(), ensure_ascii=False) + "\n" for prompt in prompts))
 
 
 def truncate_prompt(prompt: Prompt, max_chars: int) -> Prompt:

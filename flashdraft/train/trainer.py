@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
 from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
+from ..files import write_atomic
 from ..models import file_sha256
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
@@ -188,12 +189,6 @@ def _checksum_path(checkpoint: Path) -> Path:
 
 def _checkpoint_step(checkpoint: Path) -> int:
     return int(checkpoint.stem.split("-")[1])
-
-
-def _write_json_atomic(path: Path, value) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value) + "\n")
-    os.replace(temporary, path)
 
 
 def _python_rng_state() -> list:
@@ -622,7 +617,7 @@ class Trainer:
             # file (a kill between the two renames leaves a checksum file alone, or a stale one that resume reports).
             record = {"format": CHECKPOINT_FORMAT, "step": self.step, "bytes": temporary.stat().st_size,
                       "sha256": file_sha256(temporary)}
-            _write_json_atomic(_checksum_path(path), record)
+            write_atomic(_checksum_path(path), json.dumps(record) + "\n")
             os.replace(temporary, path)
             for old in sorted(folder.glob("step-*.pt"))[: -self.config.keep_checkpoints]:
                 old.unlink()
