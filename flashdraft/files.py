@@ -1,7 +1,9 @@
-"""Writing the files flashdraft keeps (caches, manifests, markers) so that no reader ever sees half of one."""
+"""The files flashdraft keeps (caches, manifests, markers, checkpoints): written so that no reader ever sees half of
+one, and checksummed."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -15,3 +17,11 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     else:
         partial.write_text(data, encoding="utf-8")
     partial.replace(path)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -38,7 +38,7 @@ import platformdirs
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
-from .files import write_atomic
+from .files import file_sha256, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -204,14 +204,6 @@ def _is_complete(folder: Path, entry: RegisteredModel) -> bool:
         return json.loads(marker.read_text()).get("gguf_sha256") == entry.gguf_sha256
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):  # a damaged marker: prepare again
         return False
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _record_checksums(folder: Path) -> dict[str, dict]:

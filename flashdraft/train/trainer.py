@@ -41,8 +41,7 @@ from tqdm.auto import tqdm
 from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
 from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
-from ..files import write_atomic
-from ..models import file_sha256
+from ..files import file_sha256, write_atomic
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
