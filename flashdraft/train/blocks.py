@@ -81,6 +81,12 @@ class TrainingSequence:
         return range(self.response_start, len(self) - 1)
 
 
+def check_training_block_size(block_size: int) -> None:
+    """A block trains positions 1..B-1 after its anchor: B must leave at least one."""
+    if block_size < 2:
+        raise ValueError(f"training needs a block size of at least 2 (one position to learn), got {block_size}")
+
+
 def sample_anchors(sequence: TrainingSequence, num_anchors: int, seed: int, epoch: int) -> list[int]:
     """`num_anchors` distinct anchor positions (all of them when the response has fewer), sorted.
 
@@ -128,8 +134,7 @@ def make_blocks(
     sequences: Sequence[TrainingSequence], anchors: Sequence[Sequence[int]], block_size: int, mask_token_id: int
 ) -> BlockBatch:
     """Lay out the blocks of `sequences` opened at `anchors` (one sorted list per sequence) for one forward."""
-    if block_size < 2:
-        raise ValueError(f"training needs a block size of at least 2 (one position to learn), got {block_size}")
+    check_training_block_size(block_size)
     batch, num_blocks = len(sequences), max(len(a) for a in anchors)
     if num_blocks == 0:
         raise ValueError("no block to train: every sequence of the batch has a response shorter than 2 tokens")

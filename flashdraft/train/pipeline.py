@@ -199,8 +199,11 @@ class PipelineConfig:
             choices = item.metadata.get("choices")
             if choices and getattr(self, item.name) not in choices:
                 raise ValueError(f"{_flag(item)} must be one of {', '.join(choices)}, got {getattr(self, item.name)!r}")
-        if self.block_size < 2 or self.draft_layers < 1:
-            raise ValueError("--block-size must be at least 2 and --draft-layers at least 1")
+        from .blocks import check_training_block_size  # imports torch: not at the top, where the parser reads this
+
+        check_training_block_size(self.block_size)
+        if self.draft_layers < 1:
+            raise ValueError(f"--draft-layers must be at least 1, got {self.draft_layers}")
         if self.distill_weight > 0 and self.store_top_k <= 0:
             raise ValueError("--distill-weight needs the target's top-k probabilities: add --store-top-k K (e.g. 8)")
         if self.label_minutes is not None and self.label_minutes < 0:

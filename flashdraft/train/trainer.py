@@ -43,7 +43,7 @@ from ..draft import DFlashDraftModel
 from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..files import file_sha256, write_atomic
 from ..target import TargetModel
-from .blocks import BlockBatch, TrainingSequence, make_blocks, sample_anchors
+from .blocks import BlockBatch, TrainingSequence, check_training_block_size, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
 from .features import FeatureSource
 from .loss import DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
@@ -261,8 +261,7 @@ class Trainer:
                 f"draft was made for a vocabulary of {draft.config.vocab_size} tokens, the target has "
                 f"{self.target.vocab_size}: make the draft for this target"
             )
-        if draft.block_size < 2:
-            raise ValueError(f"training needs a block size of at least 2, the draft has {draft.block_size}")
+        check_training_block_size(draft.block_size)
         self.sequences = [s for s in sequences if len(s.anchor_positions) > 0]
         if not self.sequences:
             raise ValueError("no training sequence has a response of 2 tokens or more: the training set is empty")

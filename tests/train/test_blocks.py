@@ -167,3 +167,15 @@ def test_a_feature_before_the_anchor_changes_the_block():
         changed[0, 11] += 5.0  # the last position block 0 may see
         logits = training_logits(draft, target, sequence, [12, 25], changed)
     assert (logits[0] - reference[0]).abs().max() > 1e-3
+
+
+def test_every_training_entry_refuses_a_block_of_one():
+    """One rule (a block must leave a position to learn) for the blocks, the trainer and the pipeline's config."""
+    from flashdraft.train.blocks import check_training_block_size
+    from flashdraft.train.pipeline import PipelineConfig
+
+    with pytest.raises(ValueError, match="training needs a block size of at least 2 .one position to learn., got 1"):
+        check_training_block_size(1)
+    with pytest.raises(ValueError, match="training needs a block size of at least 2"):
+        PipelineConfig(output="unused", block_size=1)
+    check_training_block_size(2)
