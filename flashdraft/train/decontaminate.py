@@ -42,11 +42,6 @@ def benchmark_eval_set(name: str) -> EvalSet:
     return EvalSet(name, tuple(items))
 
 
-def gsm8k_prompts() -> list[str]:
-    """The GSM8K test questions, for checks that need a real evaluation item."""
-    return [text for _, text in benchmark_eval_set("gsm8k").items]
-
-
 def load_eval_sets(
     names: Sequence[str] = tuple(DATASETS), extra_files: Mapping[str, str | Path] | None = None
 ) -> list[EvalSet]:

@@ -11,7 +11,6 @@ from flashdraft.train.decontaminate import (
     EvalSet,
     check_decontaminated,
     find_overlaps,
-    gsm8k_prompts,
     load_eval_sets,
     remove_overlaps,
 )
@@ -114,7 +113,8 @@ def test_built_in_sources_drop_overlapping_prompts_and_report_them(index):
 
 
 def test_gsm8k_questions_come_from_the_benchmark_loader(eval_files):
-    assert gsm8k_prompts() == [WORD_PROBLEM]
+    [gsm8k] = load_eval_sets(names=("gsm8k",))
+    assert [text for _, text in gsm8k.items] == [WORD_PROBLEM]
 
 
 def test_extra_eval_sets_come_from_prompt_files(tmp_path):

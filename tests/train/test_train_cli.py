@@ -160,9 +160,10 @@ def test_bad_input_is_reported_before_any_work(target_folder, tmp_path, capsys):
 
 
 def test_a_prompt_file_overlapping_an_evaluation_set_is_refused(target_folder, tmp_path, capsys):
-    from flashdraft.train.decontaminate import gsm8k_prompts
+    from flashdraft.train.decontaminate import load_eval_sets
 
-    question = gsm8k_prompts()[0]
+    [gsm8k] = load_eval_sets(names=("gsm8k",))
+    question = gsm8k.items[0][1]
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Please solve: " + question}) + "\n")
     args = [a for a in train_args(target_folder, tmp_path) if a != "--skip-eval-check"]
     err = run_failing(args, capsys)
