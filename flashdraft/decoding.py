@@ -11,13 +11,13 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from .adaptive import BlockSizeController, cached_costs
-from .draft import DFlashDraftModel, DraftCache
+from .draft import DFlashDraftModel
+from .proposals import LOOKUP_BLOCK_SIZE, PROPOSAL_MODES, DFlashProposer, HybridProposer, Proposer
 from .sampling import SamplingParams, accept_greedy, accept_sampled, check_seed, probabilities, sample
 from .target import TargetModel
 
@@ -42,11 +42,18 @@ class GenerationResult:
     prefill_seconds: float = 0.0  # prompt forward until the first new token is known
     decode_seconds: float = 0.0  # every round after that
     stop_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), or None while running
+    accepted_by_source: Counter[str] = field(default_factory=Counter)  # accepted proposals: "dflash", "lookup"
 
     @property
     def tau(self) -> float:
         """Mean acceptance length: tokens per target verification."""
         return tau(self.acceptance_lengths)
+
+    @property
+    def tokens_by_source(self) -> dict[str, int]:
+        """New tokens by origin: the accepted proposals of each source, and the target's own ("target": the
+        prefill's token and every round's bonus)."""
+        return {"target": len(self.tokens) - sum(self.accepted_by_source.values()), **self.accepted_by_source}
 
     @property
     def time_to_first_token(self) -> float:
@@ -57,114 +64,6 @@ class GenerationResult:
         """Decode throughput: the tokens produced by rounds (all but the prefill's) per decode second."""
         decoded = len(self.tokens) - 1
         return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
-
-
-GREEDY = SamplingParams()
-
-
-class Proposer(Protocol):
-    """What the loop needs from a draft: `size - 1` proposed target token ids after an anchor and, when sampling,
-    the distribution q over the target's vocabulary they were drawn from (`draft_tokens` turns logits into both).
-
-    `context` holds the target features of the positions verified since the last call (the prompt on the
-    first call), which end right before the anchor at position `start`. `block_size` is the block the draft
-    drafts (always its own size, or more): only the first `size - 1` of its proposals are used.
-    """
-
-    target_layer_ids: list[int] | None
-    block_size: int | None  # the block size it drafts best at (the draft's training size), if any
-
-    def begin(self, max_positions: int) -> None: ...
-
-    def propose(
-        self, anchor: torch.Tensor, context: torch.Tensor | None, start: int, block_size: int, size: int,
-        params: SamplingParams, generator: torch.Generator | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # proposals [size - 1], q [size - 1, V] or None when greedy
-
-
-def draft_tokens(
-    logits: torch.Tensor,  # [n, V_draft] the draft's logits
-    vocab_ids: torch.Tensor | None,  # [V_draft] the target ids of the logits' columns; None: all V
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    vocab_size: int,  # V, the target's vocabulary
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A draft's logits -> (proposals [n] target ids, q [n, V] or None when greedy): the argmax when greedy, else a
-    draw from the logits warped like the target's (the same `probabilities`, so q matches p's shaping)."""
-    if params.greedy:
-        proposals, q = logits.argmax(dim=-1), None
-    else:
-        q = probabilities(logits, params)
-        proposals = sample(q, generator)
-    if vocab_ids is not None:  # map drafting-vocabulary columns back to target ids
-        proposals = vocab_ids[proposals]
-        if q is not None:
-            q = q.new_zeros(len(proposals), vocab_size).index_copy_(1, vocab_ids, q)
-    return proposals, q
-
-
-class DFlashProposer:
-    """Drafts a block with a DFlash draft: [anchor, mask, ..., mask] in one non-causal pass."""
-
-    def __init__(self, draft: DFlashDraftModel, target: TargetModel):
-        check_compatible(draft, target)
-        self.draft = draft
-        self.target = target
-        self.target_layer_ids = draft.target_layer_ids
-        self.vocab_ids = draft.draft_vocab_ids
-        self.block_size = draft.block_size
-        # Only the rows of the drafting vocabulary, if any: the full head dominates a small draft's cost.
-        self.head = target.head_rows(self.vocab_ids)
-
-    def begin(self, max_positions: int) -> None:
-        device = self.target.device
-        # Verified context K/V only: the block's own K/V are dropped again after every pass.
-        self.cache = DraftCache(self.draft.config, max_positions, device=device, dtype=self.draft.dtype)
-        self.positions = torch.arange(max_positions, device=device)[None]
-        self.mask_ids = torch.full((1, max_positions), self.draft.mask_token_id, device=device)
-
-    @torch.no_grad()
-    def logits(self, anchor, context, start, block_size) -> torch.Tensor:
-        """[block_size - 1, V_draft] logits of the block after the anchor."""
-        block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
-        first_position = start - context.shape[1]
-        dtype = self.draft.dtype  # a draft may run in another precision than its target
-        hidden = self.draft(
-            self.target.embed(block).to(dtype), context.to(dtype),
-            self.positions[:, first_position : start + block_size], self.cache,
-        )
-        self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
-        return self.head(hidden[:, 1:].to(self.head.weight.dtype))[0]  # the anchor's output is dropped
-
-    @torch.no_grad()
-    def propose(self, anchor, context, start, block_size, size=None, params=GREEDY, generator=None):
-        """`Proposer.propose`; by default the whole block, greedily."""
-        logits = self.logits(anchor, context, start, block_size)[: (size or block_size) - 1]
-        return draft_tokens(logits, self.vocab_ids, params, generator, self.target.vocab_size)
-
-
-def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:
-    """Fail fast, naming the mismatch, when a draft cannot serve this target."""
-    config = draft.config
-    if config.hidden_size != target.hidden_size:
-        raise ValueError(
-            f"draft expects target hidden size {config.hidden_size}, target has {target.hidden_size}: "
-            "train or pick a draft for this target"
-        )
-    if config.num_target_layers != target.num_layers:
-        raise ValueError(
-            f"draft was made for a target with {config.num_target_layers} layers, target has {target.num_layers}: "
-            "train or pick a draft for this target"
-        )
-    bad = [i for i in draft.target_layer_ids if not 0 <= i < target.num_layers]
-    if bad:
-        raise ValueError(
-            f"draft reads target layers {bad}, but the target has layers 0..{target.num_layers - 1} only"
-        )
-    if not 0 <= draft.mask_token_id < target.vocab_size:
-        raise ValueError(
-            f"draft mask token id {draft.mask_token_id} is outside the target's vocabulary of {target.vocab_size}"
-        )
 
 
 class TokenStream:
@@ -200,6 +99,7 @@ def stream(
     stop_token_ids: Sequence[int] | None = None,
     block_size: int | str | None = "auto",
     seed: int | None = None,
+    proposals: str | None = None,
 ) -> TokenStream:
     """Speculative decoding of `target` with `draft`, yielding the tokens of each round as it finishes.
 
@@ -208,6 +108,12 @@ def stream(
     round, the anchor included; "auto" (the default, as in the CLI and the server) = chosen round by round for
     the most tokens per second, never above the draft's own, down to 1 when drafting does not pay
     (`flashdraft.adaptive`); None = always the draft's own; 1 (or no draft) is plain autoregressive decoding.
+    `proposals` says what a round verifies (`flashdraft.proposals`): "hybrid" (the default with a draft) = round by
+    round, the draft's block, the continuation of the context's latest match of its last tokens (lookup), the one
+    then the other, or nothing, whichever is expected to yield the most tokens per second; "dflash" = the draft's
+    block alone; "lookup" = the context alone, no draft needed (a draft given is not used). A `Proposer` given as
+    `draft` runs as it is. With "hybrid" and "lookup" an integer `block_size` is the largest round, and every round
+    proposes all it has (the continuation, then the draft's tokens to fill the block); "auto" chooses.
     `seed` (a 64-bit integer) makes sampling reproducible. A temperature so small that logits / T overflows
     (1e-38, even 5e-324) samples exactly too, which there means the argmax, shared among exact ties
     (`flashdraft.sampling.probabilities`).
@@ -215,19 +121,7 @@ def stream(
     target = target if isinstance(target, TargetModel) else TargetModel(target)
     params = SamplingParams(temperature, top_p, top_k)
     check_seed(seed)  # also when greedy, which does not use it: a seed no generator takes is a mistake either way
-    if isinstance(draft, DFlashDraftModel):
-        draft = DFlashProposer(draft, target)
-    check_block_size(block_size, has_draft=draft is not None)
-    native = getattr(draft, "block_size", None) if draft is not None else None
-    controller = None
-    if block_size == "auto":
-        if native is None or native < 2:
-            block_size = 1
-        else:
-            block_size = native
-            controller = BlockSizeController(native, *cached_costs(target, draft, native))
-    elif block_size is None:
-        block_size = native or 1
+    proposer, block_size, controller = _proposer(target, draft, proposals, block_size)
     prompt = _prompt_tensor(input_ids, target)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
@@ -243,21 +137,64 @@ def stream(
         generator.manual_seed(seed if seed is not None else torch.seed())
     result = GenerationResult()
     rounds = _decode(
-        target, draft, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()), block_size, controller,
+        target, proposer, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()), block_size, controller,
         generator, result,
     )
     return TokenStream(rounds, result)
 
 
+def _proposer(
+    target: TargetModel, draft: DFlashDraftModel | Proposer | None, proposals: str | None, block_size: int | str | None
+) -> tuple[Proposer | None, int, BlockSizeController | None]:
+    """What `stream`'s `draft`, `proposals` and `block_size` mean: (the proposer, None for plain decoding; the
+    largest round's size; the controller choosing each round's size, for the draft alone under "auto")."""
+    check_proposals(proposals, draft)
+    if proposals is None:
+        proposals = "hybrid" if isinstance(draft, DFlashDraftModel) else None if draft is None else "dflash"
+    dflash = DFlashProposer(draft, target) if isinstance(draft, DFlashDraftModel) else draft
+    if proposals == "dflash":
+        check_block_size(block_size, has_draft=True)
+        native = getattr(dflash, "block_size", None)
+        if block_size == "auto":
+            if native is None or native < 2:
+                return dflash, 1, None
+            return dflash, native, BlockSizeController(native, *cached_costs(target, dflash, native))
+        return dflash, block_size if block_size is not None else native or 1, None
+    check_block_size(block_size, has_draft=proposals is not None)
+    if proposals is None:
+        return None, 1, None
+    dflash = dflash if proposals == "hybrid" else None
+    native = dflash.block_size if dflash else LOOKUP_BLOCK_SIZE
+    max_size = native if block_size in ("auto", None) else block_size
+    costs = None
+    if block_size == "auto":  # the same measurements as the draft alone's controller (the lookup's pass: nothing)
+        costs = cached_costs(target, dflash or HybridProposer(target, None, native), native)
+    return HybridProposer(target, dflash, max_size, costs), max_size, None
+
+
+def check_proposals(proposals: str | None, draft) -> None:
+    """Fail fast on proposals the loop cannot make: a mode it does not know, a draft's without a draft."""
+    if proposals is not None and proposals not in PROPOSAL_MODES:
+        raise ValueError(f"proposals must be one of {', '.join(PROPOSAL_MODES)} (or None: the default), "
+                         f"got {proposals!r}")
+    if proposals in ("hybrid", "dflash") and draft is None:
+        raise ValueError(f"proposals={proposals!r} needs a draft: pass one, or use proposals='lookup' (no draft)")
+    if proposals == "hybrid" and draft is not None and not isinstance(draft, DFlashDraftModel):
+        raise ValueError("proposals='hybrid' combines the lookup with a DFlash draft (a DFlashDraftModel); a proposer "
+                         "object runs alone: proposals='dflash' or None")
+
+
 def check_block_size(block_size: int | str | None, *, has_draft: bool) -> None:
     """Fail fast on a block size the loop cannot run: "auto", None (the draft's own) or an integer >= 1, above 1 only
-    with a draft."""
+    with something to propose (a draft, or the lookup)."""
     if block_size in ("auto", None):
         return
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1 or \"auto\", got {block_size!r}")
     if block_size > 1 and not has_draft:
-        raise ValueError(f"block_size {block_size} needs a draft; pass a draft or use block_size=1")
+        raise ValueError(
+            f"block_size {block_size} needs proposals: pass a draft, or proposals='lookup', or use block_size=1"
+        )
 
 
 def generate(target, draft, input_ids, **kwargs) -> GenerationResult:
@@ -298,12 +235,13 @@ def _decode(
         return
     prompt_length = prompt.shape[1]
     max_positions = prompt_length + max_new_tokens
-    layer_ids = proposer.target_layer_ids if block_size > 1 else None
+    speculating = block_size > 1
+    layer_ids = proposer.target_layer_ids if speculating else None
     positions = torch.arange(max_positions, device=target.device)[None]
     cache = target.new_cache()
     # The draft always drafts at its own block size (it drafts worse at others); a round verifies `size` tokens.
     draft_size = max(block_size, getattr(proposer, "block_size", None) or 0)
-    if block_size > 1:
+    if speculating:
         proposer.begin(max_positions + draft_size)
     pick, accept = _rules(params, generator)  # greedy or sampled, chosen once
     no_proposals = torch.empty(0, dtype=torch.long, device=target.device)
@@ -314,16 +252,21 @@ def _decode(
     logits, features = target.forward(prompt, positions[:, :prompt_length], cache, layer_ids, logits_to_keep=1)
     pending = [features] if features is not None else []  # verified features the draft has not read yet
     anchor = pick(logits[0])  # [1], the last emitted token, not yet in the target's cache, at position `start`
+    first = anchor.item()
+    if speculating:  # the sequence so far, which the lookup reads
+        proposer.observe(prompt[0].tolist() + [first])
     result.prefill_seconds = time.perf_counter() - began
     began, start = time.perf_counter(), prompt_length
-    emitted, going_on = _emit([anchor.item()], result, stop_ids, max_new_tokens)
+    emitted, going_on = _emit([first], result, stop_ids, max_new_tokens)
     yield emitted
     while going_on:
-        # 2. Propose: size-1 target tokens after the anchor (none when size == 1), never more than the budget needs.
+        # 2. Propose: up to size-1 target tokens after the anchor (none when size == 1), never more than the budget
+        #    needs; a proposer may propose fewer (a lookup without a match: none), and the round verifies those.
         size = min(controller.choose() if controller else block_size, max_new_tokens - len(result.tokens))
         proposals, q = no_proposals, no_q
         if size > 1:
             proposals, q = proposer.propose(anchor, _take(pending), start, draft_size, size, params, generator)
+            size = 1 + len(proposals)
 
         # 3. Verify: one target forward over [anchor, proposals] at their true positions.
         block = torch.cat([anchor, proposals])[None]  # [1, size]
@@ -335,8 +278,11 @@ def _decode(
         num_accepted = values[0]
 
         # 5. Roll back: the target's cache keeps the anchor and the accepted proposals; their features join
-        #    the draft's pending context (rounds without drafting add theirs too); the bonus is the next anchor.
+        #    the draft's pending context (rounds without drafting add theirs too); the bonus is the next anchor. The
+        #    proposer sees the round's tokens and says which source proposed each accepted one.
         target.rollback(cache, size - (num_accepted + 1))
+        new_tokens = values[1 : 1 + num_accepted] + [values[-1]]
+        sources = proposer.observe(new_tokens) if speculating else []
         if features is not None:
             pending.append(features[:, : num_accepted + 1])
         anchor, start = bonus.view(1), start + num_accepted + 1
@@ -344,7 +290,8 @@ def _decode(
         result.block_sizes.append(size)
         if controller:
             controller.observe(size, num_accepted)
-        emitted, going_on = _emit(values[1 : 1 + num_accepted] + [values[-1]], result, stop_ids, max_new_tokens)
+        emitted, going_on = _emit(new_tokens, result, stop_ids, max_new_tokens)
+        result.accepted_by_source.update(sources[: len(emitted)])  # what a stop token cut off was not emitted
         result.decode_seconds = time.perf_counter() - began
         yield emitted
 

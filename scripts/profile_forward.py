@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from flashdraft.decoding import DFlashProposer  # noqa: E402
 from flashdraft.models import load_draft, load_target  # noqa: E402
+from flashdraft.proposals import DFlashProposer  # noqa: E402
 from flashdraft.target import TargetModel  # noqa: E402
 
 

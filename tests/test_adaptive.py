@@ -7,7 +7,7 @@ import pytest
 import flashdraft
 import flashdraft.decoding as decoding
 from flashdraft.adaptive import BlockSizeController, VerifyCosts, cached_costs, measure_verify_costs
-from flashdraft.decoding import DFlashProposer
+from flashdraft.proposals import DFlashProposer
 from flashdraft.target import TargetModel
 
 from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target
@@ -107,7 +107,7 @@ def cpu_like_costs(monkeypatch):
 def test_auto_with_a_random_draft_falls_back_to_plain_decoding(cpu_like_costs):
     target = tiny_target("llama", seed=2)
     result = flashdraft.generate(target, tiny_draft(target, block_size=8), [3, 4], max_new_tokens=60,
-                                 block_size="auto")
+                                 block_size="auto", proposals="dflash")
     assert result.block_sizes[0] == 8
     assert result.block_sizes[-20:].count(1) >= 19  # at most one probe among the last rounds
 

@@ -4,9 +4,15 @@ The joint distribution of the first 3 generated tokens (tiny vocabulary, so it h
 flashdraft generations is compared with 20,000 draws of the target's own `generate(do_sample=True)` by a
 two-sample chi-square test. The same test rejects a deliberately biased acceptance rule (one that tests
 sampled proposals as if they were the draft's argmax, ignoring q), which shows the tolerance is tight enough.
+
+Hybrid rounds (`flashdraft.proposals`) get the same test on a prompt that repeats itself, so the lookup finds
+continuations: every round takes a plan drawn at random among all it could take (lookup tokens only, lookup then
+draft, draft only, nothing), so each kind of round, one-hot and drawn q side by side, is covered. Its negative
+control treats lookup tokens as drawn from a flat q instead of a one-hot one.
 """
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -14,6 +20,7 @@ import torch
 
 import flashdraft
 import flashdraft.decoding as decoding
+import flashdraft.proposals as proposers
 from flashdraft.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 
 from tiny import tiny_draft, tiny_target
@@ -21,6 +28,7 @@ from tiny import tiny_draft, tiny_target
 SAMPLES = 20_000
 VOCAB = 8
 PROMPT = [2, 5, 3]
+REPEATING_PROMPT = [2, 5, 3, 2, 5]  # the lookup finds a continuation after most first tokens
 SETTINGS = dict(temperature=0.9, top_k=6, top_p=0.95)
 
 
@@ -34,21 +42,22 @@ def target_and_draft():
     return target, draft
 
 
-def target_samples(target, samples: int = SAMPLES) -> Counter:
+def target_samples(target, samples: int = SAMPLES, prompt=PROMPT) -> Counter:
     torch.manual_seed(1234)
     out = target.generate(
-        torch.tensor([PROMPT] * samples, device=target.device), do_sample=True, max_new_tokens=3, min_new_tokens=3,
+        torch.tensor([prompt] * samples, device=target.device), do_sample=True, max_new_tokens=3, min_new_tokens=3,
         pad_token_id=0, eos_token_id=None, **SETTINGS,
     )
-    return Counter(tuple(row) for row in out[:, len(PROMPT):].tolist())
+    return Counter(tuple(row) for row in out[:, len(prompt):].tolist())
 
 
-def flashdraft_samples(target, draft, samples: int = SAMPLES) -> tuple[Counter, float]:
+def flashdraft_samples(target, draft, samples: int = SAMPLES, prompt=PROMPT, **kwargs) -> tuple[Counter, float]:
     counts, lengths = Counter(), []
     for seed in range(samples):
         # 4 new tokens at block 4: the first round drafts 2 proposals, so tokens 2 and 3 come from every
         # path (both accepted, a rejection at either, the bonus).
-        result = flashdraft.generate(target, draft, PROMPT, max_new_tokens=4, block_size=4, seed=seed, **SETTINGS)
+        result = flashdraft.generate(target, draft, prompt, max_new_tokens=4, block_size=4, seed=seed,
+                                     **SETTINGS, **kwargs)
         counts[tuple(result.tokens[:3])] += 1
         lengths.append(result.acceptance_lengths[0])
     return counts, sum(lengths) / len(lengths)
@@ -87,7 +96,7 @@ def setup():
 
 def test_sampling_follows_the_target_distribution(setup):
     target, draft, reference = setup
-    counts, mean_first_round = flashdraft_samples(target, draft)
+    counts, mean_first_round = flashdraft_samples(target, draft, proposals="dflash")
     assert 1.3 < mean_first_round < 2.9, "the draft must drive both acceptances and rejections"
     assert chi_square_p_value(counts, reference) > 1e-4
 
@@ -95,7 +104,52 @@ def test_sampling_follows_the_target_distribution(setup):
 def test_a_biased_acceptance_rule_fails_the_same_test(setup, monkeypatch):
     target, draft, reference = setup
     monkeypatch.setattr(decoding, "accept_sampled", biased_accept)
-    counts, _ = flashdraft_samples(target, draft)
+    counts, _ = flashdraft_samples(target, draft, proposals="dflash")
+    assert chi_square_p_value(counts, reference) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def hybrid_setup():
+    target, draft = target_and_draft()
+    return target, draft, target_samples(target, prompt=REPEATING_PROMPT)
+
+
+@pytest.fixture
+def random_plans(monkeypatch):
+    """Every hybrid round takes a plan drawn at random (from its own generator: independent of the target's draws,
+    as every real choice is) among all it could take; counts the kinds of rounds taken."""
+    rng, kinds = random.Random(0), Counter()
+
+    def plan(self, continuation, n, size):
+        found = len(continuation)  # at most size - 1
+        kind = rng.choice(["none", "draft"] + ["lookup"] * (found > 0) + ["lookup then draft"] * (found > 0 < size - 2))
+        kinds[kind] += 1
+        if kind == "none":
+            return proposers.Plan(0, 1, False)
+        if kind == "draft":
+            return proposers.Plan(0, rng.randint(2, size), True)
+        if kind == "lookup":
+            lookup = rng.randint(1, found)
+            return proposers.Plan(lookup, lookup + 1, False)
+        lookup = rng.randint(1, min(found, size - 2))
+        return proposers.Plan(lookup, rng.randint(lookup + 2, size), True)
+
+    monkeypatch.setattr(proposers.HybridProposer, "plan", plan)
+    return kinds
+
+
+def test_hybrid_sampling_follows_the_target_distribution(hybrid_setup, random_plans):
+    target, draft, reference = hybrid_setup
+    counts, _ = flashdraft_samples(target, draft, prompt=REPEATING_PROMPT, proposals="hybrid")
+    assert min(random_plans.values()) > 0.05 * sum(random_plans.values()), random_plans  # every kind, often
+    assert chi_square_p_value(counts, reference) > 1e-4
+
+
+def test_lookup_tokens_tested_as_if_drawn_from_a_flat_q_fail_the_same_test(hybrid_setup, random_plans, monkeypatch):
+    target, draft, reference = hybrid_setup
+    monkeypatch.setattr(proposers, "lookup_q", lambda tokens, vocab_size: torch.full((len(tokens), vocab_size),
+                                                                                   1 / vocab_size))
+    counts, _ = flashdraft_samples(target, draft, prompt=REPEATING_PROMPT, proposals="hybrid")
     assert chi_square_p_value(counts, reference) < 1e-6
 
 

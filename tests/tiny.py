@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from flashdraft import DFlashDraftModel
-from flashdraft.decoding import draft_tokens
+from flashdraft.proposals import draft_tokens
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -111,13 +111,16 @@ class OracleProposer:
         self.vocab_size = vocab_size
         self.wrong_at = set(wrong_at)
         self.calls = []
+        self.proposed = False  # whether a round's proposals await `observe`
 
     def begin(self, max_positions: int) -> None:
         self.calls.clear()
+        self.proposed = False
 
     def propose(self, anchor, context, start, block_size, size, params, generator):
         """One-hot logits over the whole block, of which the first `size - 1` rows go through the shared step."""
         self.calls.append((start, block_size))
+        self.proposed = True
         logits = torch.zeros(block_size - 1, self.vocab_size, device=anchor.device)
         for i in range(block_size - 1):
             position = start + 1 + i
@@ -127,6 +130,11 @@ class OracleProposer:
                 token = (token + 1) % self.vocab_size
             logits[i, token] = 10.0
         return draft_tokens(logits[: size - 1], None, params, generator, self.vocab_size)
+
+    def observe(self, tokens):
+        """Sources of the accepted proposals: every accepted token of a round it proposed in."""
+        proposed, self.proposed = self.proposed, False
+        return ["oracle"] * (len(tokens) - 1) if proposed else []
 
 
 def random_case(rng: random.Random) -> tuple[list[int], int, int]:

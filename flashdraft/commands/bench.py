@@ -141,7 +141,6 @@ def run_replay(args: argparse.Namespace) -> int:
     """`--replay`: tau per dataset and block size from the target's batched greedy answers."""
     from tqdm.auto import tqdm
 
-    from flashdraft.decoding import DFlashProposer
     from flashdraft.evaluation.replay import (
         cached_greedy_answers,
         markdown_replay_table,
@@ -150,6 +149,7 @@ def run_replay(args: argparse.Namespace) -> int:
         summarize_replay,
     )
     from flashdraft.models import load_draft, load_target
+    from flashdraft.proposals import DFlashProposer
     from flashdraft.target import TargetModel
     from flashdraft.text import encode_chat, stop_token_ids
 

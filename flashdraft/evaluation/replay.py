@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding import GREEDY, Proposer, acceptance_histogram, tau
+from ..decoding import acceptance_histogram, tau
 from ..files import write_atomic
 from ..models import cache_home
+from ..proposals import GREEDY, Proposer
 from ..sampling import matching_prefix
 from ..target import TargetModel
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..decoding import check_block_size, check_compatible, stream
+from ..decoding import check_block_size, stream
 from ..draft import DFlashDraftModel
+from ..proposals import check_compatible
 from ..sampling import SamplingParams
 from ..target import TargetModel
 from ..text import IncrementalText, encode_chat, stop_token_ids

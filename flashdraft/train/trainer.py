@@ -38,10 +38,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from ..decoding import DFlashProposer, check_compatible
 from ..draft import DFlashDraftModel
 from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..files import file_sha256, write_atomic
+from ..proposals import DFlashProposer, check_compatible
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, check_training_block_size, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object

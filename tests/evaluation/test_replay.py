@@ -8,8 +8,8 @@ from bench.tiny_bench import MASK, save_tiny_bench_folders
 
 import flashdraft
 from flashdraft.cli import main
-from flashdraft.decoding import DFlashProposer
 from flashdraft.evaluation.replay import greedy_answers, replay, replay_text
+from flashdraft.proposals import DFlashProposer
 from flashdraft.target import TargetModel
 
 from tiny import OracleProposer, greedy_reference, tiny_draft, tiny_target

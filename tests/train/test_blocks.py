@@ -4,7 +4,7 @@ draft forward block by block, and no block sees its anchor's features or anythin
 import pytest
 import torch
 
-from flashdraft.decoding import DFlashProposer
+from flashdraft.proposals import DFlashProposer
 from flashdraft.target import TargetModel
 from flashdraft.train.blocks import IGNORE, TrainingSequence, block_attention_mask, make_blocks, sample_anchors
 from flashdraft.train.records import TrainingRecord

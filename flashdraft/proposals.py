@@ -1,0 +1,315 @@
+"""The proposers: what the decoding loop verifies after each anchor.
+
+    DFlashProposer  the DFlash draft's block: [anchor, mask, ..., mask] in one non-causal pass
+    HybridProposer  each round, whichever of these is expected to yield the most tokens per second:
+                        nothing           plain decoding: one token for a one-token target forward
+                        lookup, size s    the first s-1 tokens of the context's continuation (`flashdraft.lookup`)
+                        draft, size s     the first s-1 tokens of the draft's block, for one draft pass more
+                        merge, size s     the whole continuation, then the draft's tokens after it, one pass more
+                    Without a draft (`proposals="lookup"`), the first two only.
+
+A round of size s yields E(s) = 1 + a_1 + a_1 a_2 + ... tokens, where a_k is the chance that proposal k is accepted
+given that the ones before it were, taken from the source that proposes position k; its cost is the target's
+forward over s tokens plus the draft's pass in rounds that run it, both measured once per machine
+(`flashdraft.adaptive.cached_costs`). The a_k are tracked per source and position as decayed counts, the lookup's
+also per match length n (a longer match predicts better). The lookup is scored in every round it had a
+continuation, used or not: its proposals are deterministic, so the chance that proposal k would have been accepted
+is the chance that the target's token there is the proposed one, and the round's verified tokens show that, for
+the greedy and the sampled rule alike. The draft is scored where its tokens were verified; while it does not pay,
+a probe round runs it after 32 rounds without it, then 64, 128, ... (as `flashdraft.adaptive` does).
+
+Sampling stays exact: a lookup token is a draw from a one-hot q (`lookup_q`), which the rejection rule accepts with
+probability p(token) and otherwise resamples from p without it; the draft's tokens are drawn from its own q. Every
+choice a round makes depends only on what was verified before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .adaptive import VerifyCosts
+from .draft import DFlashDraftModel, DraftCache
+from .lookup import ContextIndex
+from .sampling import SamplingParams, probabilities, sample
+from .target import TargetModel
+
+GREEDY = SamplingParams()
+SOURCES = ("dflash", "lookup")
+PROPOSAL_MODES = ("hybrid", "dflash", "lookup")
+LOOKUP_BLOCK_SIZE = 16  # the most tokens a lookup round verifies when there is no draft to take the size from
+DECAY = 0.97  # per scored round: acceptance estimates follow the text as it changes
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 32, 512
+
+
+class Proposer(Protocol):
+    """What the loop needs from a proposer: up to `size - 1` proposed target token ids after an anchor and, when
+    sampling, the distribution q over the target's vocabulary they were drawn from (`draft_tokens` turns logits into
+    both). It may propose fewer, none included: the loop verifies what it gets.
+
+    `context` holds the target features of the positions verified since the last call (the prompt on the
+    first call), which end right before the anchor at position `start`. `block_size` is the block the draft
+    drafts (always its own size, or more): only the first `size - 1` of its proposals are used. `observe` gets the
+    tokens that joined the sequence: the prompt and the first new token after the prefill, then each round's
+    accepted proposals and bonus token; it returns the source of each accepted proposal of the round, in order.
+    """
+
+    target_layer_ids: list[int] | None
+    block_size: int | None  # the block size it drafts best at (the draft's training size), if any
+
+    def begin(self, max_positions: int) -> None: ...
+
+    def propose(
+        self, anchor: torch.Tensor, context: torch.Tensor | None, start: int, block_size: int, size: int,
+        params: SamplingParams, generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # proposals [n <= size - 1], q [n, V] or None when greedy
+
+    def observe(self, tokens: list[int]) -> list[str]: ...
+
+
+def draft_tokens(
+    logits: torch.Tensor,  # [n, V_draft] the draft's logits
+    vocab_ids: torch.Tensor | None,  # [V_draft] the target ids of the logits' columns; None: all V
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    vocab_size: int,  # V, the target's vocabulary
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft's logits -> (proposals [n] target ids, q [n, V] or None when greedy): the argmax when greedy, else a
+    draw from the logits warped like the target's (the same `probabilities`, so q matches p's shaping)."""
+    if params.greedy:
+        proposals, q = logits.argmax(dim=-1), None
+    else:
+        q = probabilities(logits, params)
+        proposals = sample(q, generator)
+    if vocab_ids is not None:  # map drafting-vocabulary columns back to target ids
+        proposals = vocab_ids[proposals]
+        if q is not None:
+            q = q.new_zeros(len(proposals), vocab_size).index_copy_(1, vocab_ids, q)
+    return proposals, q
+
+
+def lookup_q(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n] deterministic proposals -> [n, V] the q they were 'drawn' from: one-hot at each."""
+    return torch.nn.functional.one_hot(tokens, vocab_size).float()
+
+
+class DFlashProposer:
+    """Drafts a block with a DFlash draft: [anchor, mask, ..., mask] in one non-causal pass."""
+
+    def __init__(self, draft: DFlashDraftModel, target: TargetModel):
+        check_compatible(draft, target)
+        self.draft = draft
+        self.target = target
+        self.target_layer_ids = draft.target_layer_ids
+        self.vocab_ids = draft.draft_vocab_ids
+        self.block_size = draft.block_size
+        # Only the rows of the drafting vocabulary, if any: the full head dominates a small draft's cost.
+        self.head = target.head_rows(self.vocab_ids)
+        target.accelerate(draft)  # the target engine's kernels serve the draft's products too
+        self.proposed = False  # whether a round's proposals await `observe`
+
+    def begin(self, max_positions: int) -> None:
+        device = self.target.device
+        # Verified context K/V only: the block's own K/V are dropped again after every pass.
+        self.cache = DraftCache(self.draft.config, max_positions, device=device, dtype=self.draft.dtype)
+        self.positions = torch.arange(max_positions, device=device)[None]
+        self.mask_ids = torch.full((1, max_positions), self.draft.mask_token_id, device=device)
+        self.proposed = False
+
+    @torch.no_grad()
+    def logits(self, anchor, context, start, block_size) -> torch.Tensor:
+        """[block_size - 1, V_draft] logits of the block after the anchor."""
+        block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
+        first_position = start - context.shape[1]
+        dtype = self.draft.dtype  # a draft may run in another precision than its target
+        hidden = self.draft(
+            self.target.embed(block).to(dtype), context.to(dtype),
+            self.positions[:, first_position : start + block_size], self.cache,
+        )
+        self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
+        return self.head(hidden[:, 1:].to(self.head.weight.dtype))[0]  # the anchor's output is dropped
+
+    @torch.no_grad()
+    def propose(self, anchor, context, start, block_size, size=None, params=GREEDY, generator=None):
+        """`Proposer.propose`; by default the whole block, greedily."""
+        logits = self.logits(anchor, context, start, block_size)[: (size or block_size) - 1]
+        self.proposed = True
+        return draft_tokens(logits, self.vocab_ids, params, generator, self.target.vocab_size)
+
+    def observe(self, tokens: list[int]) -> list[str]:
+        accepted = len(tokens) - 1 if self.proposed else 0
+        self.proposed = False
+        return ["dflash"] * accepted
+
+
+def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:
+    """Fail fast, naming the mismatch, when a draft cannot serve this target."""
+    config = draft.config
+    if config.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"draft expects target hidden size {config.hidden_size}, target has {target.hidden_size}: "
+            "train or pick a draft for this target"
+        )
+    if config.num_target_layers != target.num_layers:
+        raise ValueError(
+            f"draft was made for a target with {config.num_target_layers} layers, target has {target.num_layers}: "
+            "train or pick a draft for this target"
+        )
+    bad = [i for i in draft.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ValueError(
+            f"draft reads target layers {bad}, but the target has layers 0..{target.num_layers - 1} only"
+        )
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise ValueError(
+            f"draft mask token id {draft.mask_token_id} is outside the target's vocabulary of {target.vocab_size}"
+        )
+
+
+class Acceptance:
+    """Per block position k (0 = the first proposal after the anchor): decayed counts of proposals tested there and
+    accepted given that the ones before them were; one pseudo-round at one half to start."""
+
+    def __init__(self, positions: int, decay: float = DECAY):
+        self.accepted = [0.5] * positions
+        self.tested = [1.0] * positions
+        self.decay = decay
+
+    def rates(self) -> list[float]:
+        return [accepted / tested for accepted, tested in zip(self.accepted, self.tested)]
+
+    def observe(self, first: int, last: int, accepted: int) -> None:
+        """A round's proposals at positions first..last-1 (this source's) met a verified prefix of `accepted`
+        positions: positions up to the first one outside it were tested, those inside it accepted."""
+        self.accepted = [count * self.decay for count in self.accepted]
+        self.tested = [count * self.decay for count in self.tested]
+        for k in range(first, min(last, accepted + 1)):
+            self.tested[k] += 1.0
+            self.accepted[k] += 1.0 if k < accepted else 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round: the first `lookup` tokens of the continuation, then the draft's tokens (when `draft`) up to
+    `size - 1` proposals in all."""
+
+    lookup: int
+    size: int
+    draft: bool
+
+    def sources(self) -> list[str]:
+        """The source of each proposal, in order."""
+        return ["lookup"] * self.lookup + ["dflash"] * (self.size - 1 - self.lookup)
+
+
+def expected_tokens(rates: list[float]) -> list[float]:
+    """E(s) for s = 1..len(rates) + 1: the tokens a round of size s yields given each proposal's acceptance rate."""
+    expected, chain = [1.0], 1.0
+    for rate in rates:
+        chain *= rate
+        expected.append(expected[-1] + chain)
+    return expected
+
+
+class HybridProposer:
+    """The context's lookup and, when given, the DFlash draft, chosen round by round (see the module docstring).
+
+    With `costs` (the target's verify costs and the draft's pass time) every round takes the option with the most
+    expected tokens per second; without, every round proposes all there is: the continuation, then the draft's
+    tokens up to the block size (the fixed block size of `block_size=B`)."""
+
+    def __init__(
+        self, target: TargetModel, dflash: DFlashProposer | None, max_size: int,
+        costs: tuple[VerifyCosts, float] | None = None,
+    ):
+        self.target = target
+        self.dflash = dflash
+        self.max_size = max_size  # the largest round, anchor included
+        self.costs = costs
+        self.target_layer_ids = dflash.target_layer_ids if dflash else None
+        self.block_size = dflash.block_size if dflash else None
+        self.begin(0)
+
+    def begin(self, max_positions: int) -> None:
+        if self.dflash:
+            self.dflash.begin(max_positions)
+        self.index = ContextIndex()
+        self.pending: list[torch.Tensor] = []  # verified features the draft has not read yet
+        positions = self.max_size - 1
+        self.lookup_acceptance = {n: Acceptance(positions) for n in range(1, self.index.max_ngram + 1)}
+        self.draft_acceptance = Acceptance(positions)
+        self.draft_observed = False
+        self.rounds_without_draft, self.probe_interval = 0, FIRST_PROBE_INTERVAL
+        self.round: tuple[list[int], int, Plan] | None = None  # this round's continuation, its match length, plan
+
+    @torch.no_grad()
+    def propose(self, anchor, context, start, block_size, size, params=GREEDY, generator=None):
+        """`Proposer.propose`: the plan's proposals, from the lookup, the draft or both."""
+        if context is not None:
+            self.pending.append(context)
+        continuation, n = self.index.continuation(size - 1)
+        plan = self.plan(continuation, n, size)
+        self.round = (continuation, n, plan)
+        vocab_size = self.target.vocab_size
+        proposals = torch.tensor(continuation[: plan.lookup], dtype=torch.long, device=self.target.device)
+        q = None if params.greedy else lookup_q(proposals, vocab_size)
+        if plan.draft:
+            context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
+            self.pending.clear()
+            logits = self.dflash.logits(anchor, context, start, block_size)[plan.lookup : plan.size - 1]
+            drafted, draft_q = draft_tokens(logits, self.dflash.vocab_ids, params, generator, vocab_size)
+            proposals = torch.cat([proposals, drafted])
+            q = None if q is None else torch.cat([q, draft_q])
+        return proposals, q
+
+    def plan(self, continuation: list[int], n: int, size: int) -> Plan:
+        """This round's proposals, given the continuation (matched over n tokens) and the largest size allowed."""
+        found = len(continuation)
+        if self.costs is None:
+            if self.dflash is None or found == size - 1:
+                return Plan(found, found + 1, False)
+            return Plan(found, size, True)
+        verify, draft_seconds = self.costs
+        options = [(1.0 / verify(1), Plan(0, 1, False))]
+        lookup_rates = self.lookup_acceptance[n].rates()[:found] if found else []
+        for s, expected in enumerate(expected_tokens(lookup_rates)[1:], start=2):
+            options.append((expected / verify(s), Plan(s - 1, s, False)))
+        if self.dflash is not None:
+            draft_rates = self.draft_acceptance.rates()[: size - 1]
+            for prefix in {0, found}:  # the draft alone, or after the whole continuation
+                expected = expected_tokens(lookup_rates[:prefix] + draft_rates[prefix:])
+                for s in range(prefix + 2, size + 1):
+                    options.append((expected[s - 1] / (verify(s) + draft_seconds), Plan(prefix, s, True)))
+        plan = max(options, key=lambda option: option[0])[1]
+        if self.dflash is None or plan.draft:
+            self.rounds_without_draft, self.probe_interval = 0, FIRST_PROBE_INTERVAL
+            return plan
+        # The draft's estimate only changes in rounds that run it: probe it now and then, less often while it
+        # does not pay. Before it was ever observed, over the whole block (every position is scored); later, the
+        # best round that runs it, which costs little more than the best round.
+        self.rounds_without_draft += 1
+        if not self.draft_observed:
+            return Plan(0, size, True)
+        if self.rounds_without_draft < self.probe_interval:
+            return plan
+        self.rounds_without_draft = 0
+        self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        return max((option for option in options if option[1].draft), key=lambda option: option[0])[1]
+
+    def observe(self, tokens: list[int]) -> list[str]:
+        """`Proposer.observe`: the tokens join the index; the round's sources are scored."""
+        self.index.extend(tokens)
+        if self.round is None:  # the prefill, or a round the loop verified without proposals
+            return []
+        (continuation, n, plan), self.round = self.round, None
+        accepted = len(tokens) - 1
+        if continuation:  # scored whether used or not: see the module docstring
+            compared = min(len(continuation), len(tokens))
+            matched = next((k for k in range(compared) if continuation[k] != tokens[k]), compared)
+            self.lookup_acceptance[n].observe(0, compared, matched)
+        if plan.draft:
+            self.draft_acceptance.observe(plan.lookup, plan.size - 1, accepted)
+            self.draft_observed = True
+        return plan.sources()[:accepted]

@@ -1,0 +1,238 @@
+"""Proposals from the context (`flashdraft.lookup`) and the hybrid proposer (`flashdraft.proposals`): the index, the
+acceptance it tracks, the choice it makes each round, and that the loop stays lossless with it."""
+
+import random
+
+import pytest
+
+import flashdraft
+import flashdraft.decoding as decoding
+from flashdraft.adaptive import VerifyCosts
+from flashdraft.lookup import ContextIndex
+from flashdraft.proposals import Acceptance, DFlashProposer, HybridProposer, Plan, expected_tokens
+from flashdraft.target import TargetModel
+
+from tiny import ARCHITECTURES, greedy_reference, random_case, tiny_draft, tiny_target
+
+MASK = 1
+TARGETS = {arch: tiny_target(arch, seed=20 + i, forbid_token=MASK) for i, arch in enumerate(ARCHITECTURES)}
+DRAFTS = {arch: tiny_draft(t, block_size=8, mask_token_id=MASK) for arch, t in TARGETS.items()}
+COSTS = VerifyCosts({1: 1.0, 2: 1.3, 4: 1.5, 8: 1.6, 16: 1.8})  # CPU-like, as in test_adaptive
+
+
+# ------------------------------------------------------------------ the index
+
+
+def test_the_longest_suffix_with_an_earlier_occurrence_gives_the_continuation_of_its_latest_one():
+    index = ContextIndex(max_ngram=3)
+    index.extend([7, 8, 9, 1, 7, 8, 2, 5, 8])
+    assert index.continuation(2) == ([2, 5], 1)  # `8` last followed by 2 (at 6), not 9 (at 2)
+    index.extend([9])  # `8 9` occurred once, at 1..2: its 2-gram match beats the 1-gram `9`
+    assert index.continuation(3) == ([1, 7, 8], 2)
+
+
+def test_no_earlier_occurrence_means_no_proposal():
+    index = ContextIndex(min_ngram=2)
+    index.extend([1, 2, 3, 4, 1])
+    assert index.continuation(5) == ([], 0)  # `4 1` is new, and single tokens are not matched
+
+
+def test_a_continuation_that_reaches_the_end_goes_on_copying_itself():
+    index = ContextIndex()
+    index.extend([1, 2, 3, 1, 2])
+    assert index.continuation(7) == ([3, 1, 2, 3, 1, 2, 3], 2)
+    index = ContextIndex()
+    index.extend([4, 4])
+    assert index.continuation(3) == ([4, 4, 4], 1)
+
+
+def test_updates_cost_a_constant_per_new_token_whatever_the_context():
+    index = ContextIndex(max_ngram=4, min_ngram=1)
+    index.extend(random.Random(0).randrange(50) for _ in range(20_000))
+    before = len(index.continues_at)
+    index.tokens = _NoScan(index.tokens)  # a long context is never iterated over again
+    index.extend([3, 1, 4])
+    index.continuation(15)
+    assert len(index.continues_at) - before <= 3 * 4
+
+
+class _NoScan(list):
+    def __iter__(self):
+        raise AssertionError("the whole context was scanned")
+
+
+def test_bad_ngram_sizes_are_refused():
+    with pytest.raises(ValueError, match="min_ngram"):
+        ContextIndex(max_ngram=2, min_ngram=3)
+
+
+# ------------------------------------------------------------------ acceptance and the choice
+
+
+def test_acceptance_counts_what_a_round_tested_from_its_first_position():
+    acceptance = Acceptance(6, decay=1.0)
+    acceptance.observe(0, 5, 2)  # positions 0, 1 accepted, 2 rejected, 3 and 4 never tested
+    assert acceptance.tested == [2.0, 2.0, 2.0, 1.0, 1.0, 1.0]
+    assert acceptance.accepted == [1.5, 1.5, 0.5, 0.5, 0.5, 0.5]
+    acceptance.observe(2, 5, 4)  # this source proposed from position 2: 2, 3 accepted, 4 rejected
+    assert acceptance.tested == [2.0, 2.0, 3.0, 2.0, 2.0, 1.0]
+    acceptance.observe(3, 5, 1)  # the round ended before this source's first position: nothing tested
+    assert acceptance.tested == [2.0, 2.0, 3.0, 2.0, 2.0, 1.0]
+
+
+def test_expected_tokens_chain_the_acceptance_rates():
+    assert expected_tokens([0.8, 0.5]) == pytest.approx([1.0, 1.8, 2.2])
+
+
+def hybrid(with_draft=True, max_size=8, costs=(COSTS, 0.1)):
+    target = TargetModel(TARGETS["llama"])
+    dflash = DFlashProposer(DRAFTS["llama"], target) if with_draft else None
+    proposer = HybridProposer(target, dflash, max_size, costs)
+    proposer.draft_observed = True  # past the first probe
+    return proposer
+
+
+def set_rates(acceptance: Acceptance, rate: float) -> None:
+    acceptance.accepted = [100 * rate] * len(acceptance.accepted)
+    acceptance.tested = [100.0] * len(acceptance.tested)
+
+
+def test_a_reliable_continuation_is_used_whole_and_an_unreliable_one_not_at_all():
+    proposer = hybrid()
+    set_rates(proposer.draft_acceptance, 0.0)
+    set_rates(proposer.lookup_acceptance[3], 0.95)
+    set_rates(proposer.lookup_acceptance[1], 0.05)
+    assert proposer.plan([5] * 7, 3, 8) == Plan(7, 8, False)
+    assert proposer.plan([5] * 3, 3, 8) == Plan(3, 4, False)  # a shorter continuation: a shorter round
+    assert proposer.plan([5] * 7, 1, 8) == Plan(0, 1, False)  # a 1-token match is rarely right: plain decoding
+
+
+def test_the_draft_fills_the_block_after_the_continuation_when_it_pays():
+    proposer = hybrid()
+    set_rates(proposer.draft_acceptance, 0.9)
+    set_rates(proposer.lookup_acceptance[2], 0.95)
+    assert proposer.plan([5, 6, 7], 2, 8) == Plan(3, 8, True)
+    assert proposer.plan([], 0, 8) == Plan(0, 8, True)  # no continuation: the draft alone
+
+
+def test_a_draft_that_does_not_pay_is_probed_less_and_less_often():
+    proposer = hybrid()
+    set_rates(proposer.draft_acceptance, 0.0)
+    probes = [i for i in range(32 + 64 + 10) if proposer.plan([], 0, 8).draft]
+    assert probes == [31, 95]
+    fresh = hybrid()
+    set_rates(fresh.draft_acceptance, 0.0)
+    fresh.draft_observed = False
+    assert fresh.plan([], 0, 8) == Plan(0, 8, True)  # before any observation: the whole block
+
+
+def test_without_costs_every_round_proposes_all_there_is():
+    proposer = hybrid(costs=None)
+    assert proposer.plan([4, 5], 2, 8) == Plan(2, 8, True)
+    assert proposer.plan([4] * 7, 2, 8) == Plan(7, 8, False)  # nothing left for the draft to fill
+    assert hybrid(with_draft=False, costs=None).plan([4, 5], 2, 8) == Plan(2, 3, False)
+
+
+# ------------------------------------------------------------------ in the loop
+
+
+@pytest.fixture
+def cpu_like_costs(monkeypatch):
+    """Fixed costs rather than timings of a tiny model on a busy machine: the choices are reproducible."""
+    monkeypatch.setattr(decoding, "cached_costs", lambda target, proposer, size: (COSTS, 0.1))
+
+
+@pytest.mark.parametrize("case", range(60))
+def test_hybrid_and_lookup_decoding_equal_the_targets_greedy_output(case, cpu_like_costs):
+    rng = random.Random(500 + case)
+    arch = ARCHITECTURES[case % 3]
+    target = TARGETS[arch]
+    prompt, max_new, block_size = random_case(rng)
+    if case % 2:  # a prompt that repeats itself, so the lookup has something to copy
+        prompt = (prompt[: rng.randint(2, 8)] * 8)[: rng.randint(8, 40)]
+    proposals = rng.choice(["hybrid", "lookup"])
+    block_size = rng.choice([block_size, "auto", None])
+    draft = DRAFTS[arch] if proposals == "hybrid" else None
+    result = flashdraft.generate(target, draft, prompt, max_new_tokens=max_new, block_size=block_size,
+                                 proposals=proposals)
+    assert result.tokens == greedy_reference(target, prompt, max_new)
+    assert sum(result.tokens_by_source.values()) == len(result.tokens)
+    assert sum(result.acceptance_lengths) + 1 >= len(result.tokens)
+
+
+def test_lookup_needs_no_draft_and_copies_a_looping_answer(cpu_like_costs):
+    target, prompt = TARGETS["llama"], [30, 31, 32, 33]
+    reference = greedy_reference(target, prompt, 40)  # random models loop: ... 64 22 52 64 22 52 ...
+    result = flashdraft.generate(target, None, prompt, max_new_tokens=40, proposals="lookup")
+    assert result.tokens == reference
+    assert result.tokens_by_source["lookup"] >= 20 and len(result.acceptance_lengths) <= 15
+    assert max(result.block_sizes) <= 16
+
+
+def test_a_round_verifies_what_was_proposed_which_may_be_less_than_the_block(cpu_like_costs):
+    target, prompt = TARGETS["qwen3"], [10, 11, 12]
+    reference = greedy_reference(target, prompt, 40)
+    result = flashdraft.generate(target, None, prompt, max_new_tokens=40, proposals="lookup", block_size=16)
+    assert result.tokens == reference
+    assert 1 in result.block_sizes and 16 in result.block_sizes  # no continuation: the anchor alone
+
+
+def test_tokens_are_counted_per_source_up_to_a_stop_token():
+    target, prompt = TARGETS["llama"], [30, 31, 32, 33]
+    looping = prompt + greedy_reference(target, prompt, 20)  # ends in ... 64 22 52 64 22 52 64 22
+    answer = greedy_reference(target, looping, 10)  # 52 64 22 52 ...: the same sequence, continued
+    result = flashdraft.generate(target, DRAFTS["llama"], looping, max_new_tokens=10, block_size=8,
+                                 stop_token_ids=[answer[2]])
+    assert result.tokens == answer[:3] and result.stop_reason == "stop"
+    # The prefill's token, then one round whose lookup block was accepted whole: two of its tokens were emitted.
+    assert result.acceptance_lengths == [8] and result.tokens_by_source == {"target": 1, "lookup": 2}
+
+
+class RecordingProposer(DFlashProposer):
+    """Notes, for every draft pass, where the anchor is and how much context came with it."""
+
+    calls: list = []
+
+    def logits(self, anchor, context, start, block_size):
+        RecordingProposer.calls.append((start, context.shape[1]))
+        return super().logits(anchor, context, start, block_size)
+
+
+def test_rounds_without_the_draft_still_give_it_their_context(cpu_like_costs, monkeypatch):
+    monkeypatch.setattr(decoding, "DFlashProposer", RecordingProposer)
+    RecordingProposer.calls = []
+    target = TARGETS["llama"]
+    result = flashdraft.generate(target, DRAFTS["llama"], [3, 4, 5, 3, 4], max_new_tokens=120)
+    assert len(RecordingProposer.calls) >= 2 and len(RecordingProposer.calls) < len(result.block_sizes)
+    seen = 0
+    for start, context_length in RecordingProposer.calls:  # the contexts tile every position before each anchor
+        seen += context_length
+        assert seen == start
+
+
+def test_the_lookup_is_scored_in_rounds_that_did_not_use_it():
+    proposer = hybrid(max_size=8)
+    set_rates(proposer.draft_acceptance, 0.9)  # the draft wins every round
+    proposer.begin(64)
+    set_rates(proposer.draft_acceptance, 0.9)
+    proposer.draft_observed = True
+    proposer.observe([1, 2, 3, 1, 2])
+    plan = proposer.plan(*proposer.index.continuation(7), 8)
+    proposer.round = (proposer.index.continuation(7)[0], 2, Plan(0, 8, True))  # as `propose` records it
+    before = list(proposer.lookup_acceptance[2].tested)
+    assert proposer.observe([3, 1, 9]) == ["dflash", "dflash"]  # the draft's two accepted tokens
+    tested = [after - decayed for after, decayed in zip(proposer.lookup_acceptance[2].tested,
+                                                         [count * 0.97 for count in before])]
+    assert tested[:4] == pytest.approx([1, 1, 1, 0])  # `3 1` matched, `9` did not (the continuation said 2)
+    assert plan.draft
+
+
+def test_unknown_or_impossible_proposals_are_refused():
+    target = TARGETS["llama"]
+    with pytest.raises(ValueError, match="proposals must be one of"):
+        flashdraft.generate(target, DRAFTS["llama"], [1, 2], max_new_tokens=4, proposals="ngram")
+    for proposals in ("hybrid", "dflash"):
+        with pytest.raises(ValueError, match="needs a draft"):
+            flashdraft.generate(target, None, [1, 2], max_new_tokens=4, proposals=proposals)
+    with pytest.raises(ValueError, match="needs proposals"):
+        flashdraft.generate(target, None, [1, 2], max_new_tokens=4, block_size=4)
