@@ -148,7 +148,12 @@ def _proposer(
 ) -> tuple[Proposer | None, int, BlockSizeController | None]:
     """What `stream`'s `draft`, `proposals` and `block_size` mean: (the proposer, None for plain decoding; the
     largest round's size; the controller choosing each round's size, for the draft alone under "auto")."""
-    check_proposals(proposals, draft)
+    check_proposals(proposals)
+    if proposals in ("hybrid", "dflash") and draft is None:
+        raise ValueError(f"proposals={proposals!r} needs a draft: pass one, or use proposals='lookup' (no draft)")
+    if proposals == "hybrid" and not isinstance(draft, DFlashDraftModel):
+        raise ValueError("proposals='hybrid' combines the lookup with a DFlash draft (a DFlashDraftModel); a proposer "
+                         "object runs alone: proposals='dflash' or None")
     if proposals is None:
         proposals = "hybrid" if isinstance(draft, DFlashDraftModel) else None if draft is None else "dflash"
     dflash = DFlashProposer(draft, target) if isinstance(draft, DFlashDraftModel) else draft
@@ -172,16 +177,11 @@ def _proposer(
     return HybridProposer(target, dflash, max_size, costs), max_size, None
 
 
-def check_proposals(proposals: str | None, draft) -> None:
-    """Fail fast on proposals the loop cannot make: a mode it does not know, a draft's without a draft."""
+def check_proposals(proposals: str | None) -> None:
+    """Fail fast on a proposals mode the loop does not know (None is the default)."""
     if proposals is not None and proposals not in PROPOSAL_MODES:
         raise ValueError(f"proposals must be one of {', '.join(PROPOSAL_MODES)} (or None: the default), "
                          f"got {proposals!r}")
-    if proposals in ("hybrid", "dflash") and draft is None:
-        raise ValueError(f"proposals={proposals!r} needs a draft: pass one, or use proposals='lookup' (no draft)")
-    if proposals == "hybrid" and draft is not None and not isinstance(draft, DFlashDraftModel):
-        raise ValueError("proposals='hybrid' combines the lookup with a DFlash draft (a DFlashDraftModel); a proposer "
-                         "object runs alone: proposals='dflash' or None")
 
 
 def check_block_size(block_size: int | str | None, *, has_draft: bool) -> None:

@@ -28,7 +28,8 @@ def expected_text(target, tokenizer, prompt, max_new_tokens, chat=True):
     return tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-@pytest.mark.parametrize("extra", [[], ["--block-size", "1"], ["--block-size", "3"], ["--no-chat-template"]])
+@pytest.mark.parametrize("extra", [[], ["--block-size", "1"], ["--block-size", "3"], ["--no-chat-template"],
+                                   ["--proposals", "dflash"], ["--proposals", "lookup", "--block-size", "6"]])
 def test_generate_streams_the_target_greedy_answer(folders, capsys, extra):
     root, target, tokenizer = folders
     code = main(["generate", "w3 w4 w5", "--target", str(root / "target"), "--draft", str(root / "draft"),
@@ -36,17 +37,31 @@ def test_generate_streams_the_target_greedy_answer(folders, capsys, extra):
     out, err = capsys.readouterr()
     assert code == 0
     assert out == expected_text(target, tokenizer, "w3 w4 w5", 24, chat="--no-chat-template" not in extra) + "\n"
-    assert " tokens | " in err and "tokens/s" in err
+    assert "[24 tokens" in err and "tokens/s" in err
     if extra == ["--block-size", "1"]:
         assert "no speculation (block size 1)" in err
+    else:  # the tokens each source gave
+        assert "24 tokens (target " in err
+
+
+def test_lookup_runs_without_loading_a_draft(folders, capsys, monkeypatch):
+    import flashdraft.models
+
+    root, target, tokenizer = folders
+    monkeypatch.setattr(flashdraft.models, "load_draft", lambda *args, **kwargs: pytest.fail("a draft was loaded"))
+    assert main(["generate", "w3 w4 w3 w4", "--target", str(root / "target"), "--proposals", "lookup",
+                 "--max-new-tokens", "24"]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected_text(target, tokenizer, "w3 w4 w3 w4", 24) + "\n"
+    assert "lookup" in err
 
 
 def test_statistics_line_says_when_speculation_was_off():
     result = GenerationResult(tokens=list(range(40)), acceptance_lengths=[3] + [1] * 30 + [2],
                               block_sizes=[8] + [1] * 30 + [8])
     line = statistics_line(result, speculating=True)
-    assert "speculation off in 30 of 32 rounds" in line
-    assert "tau 2.50 in its 2 drafting rounds" in line and "does not pay on this machine" in line
+    assert "speculation off in 30 of 32 rounds, where no proposal was expected to pay on this machine" in line
+    assert "(tau 2.50 in the 2 rounds that speculated)" in line
     speculated = GenerationResult(tokens=list(range(9)), acceptance_lengths=[3, 5], block_sizes=[8, 8])
     assert "| tau 4.00 |" in statistics_line(speculated, speculating=True)
     plain = GenerationResult(tokens=[1, 2], acceptance_lengths=[1], block_sizes=[1])
@@ -86,6 +101,7 @@ def test_bad_input_is_reported_without_a_traceback(folders, capsys):
         (["generate", "w1", "--target", str(root / "target"), "--draft", str(root / "target")],
          "is not a DFlash draft"),
         (["generate", "w1", *base, "--device", "nosuch"], "unknown device 'nosuch': devices here are cpu"),
+        (["generate", "w1", *base, "--proposals", "ngram"], "proposals must be one of hybrid, dflash, lookup"),
     ]
     for argv, message in cases:
         assert main(argv) == 2
@@ -117,7 +133,7 @@ def test_help_is_there_for_every_option(capsys):
         main(["generate", "--help"])
     out = capsys.readouterr().out
     for option in ("--target", "--draft", "--temperature", "--top-p", "--top-k", "--max-new-tokens",
-                   "--block-size", "--seed"):
+                   "--block-size", "--proposals", "--seed"):
         assert option in out
 
 

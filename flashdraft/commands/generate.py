@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flashdraft.commands.options import add_block_size_option, add_device_options, device_and_dtype
+from flashdraft.commands.options import (
+    add_block_size_option,
+    add_device_options,
+    add_proposals_option,
+    device_and_dtype,
+)
 
 
 def register(subparsers) -> None:
@@ -26,6 +31,7 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     add_block_size_option(parser)
+    add_proposals_option(parser)
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--system", default=None, help="optional system message for the chat template")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
@@ -36,18 +42,18 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
-    from flashdraft.decoding import stream
+    from flashdraft.decoding import check_proposals, stream
     from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
     from flashdraft.text import IncrementalText, encode_chat, stop_token_ids
 
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the text to answer")
+    check_proposals(args.proposals)  # a mistyped mode fails before the models load
     device, dtype = device_and_dtype(args)
     target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=device, dtype=dtype)
-    # Plain autoregressive decoding needs no draft; anything else uses the given or the shipped one.
-    draft = None if (args.block_size == 1 and args.draft is None) else load_draft(args.draft, device=device,
-                                                                                    dtype=dtype)
+    # Plain decoding and the lookup need no draft; anything else uses the given or the shipped one.
+    draftless = args.proposals == "lookup" or (args.block_size == 1 and args.draft is None)
+    draft = None if draftless else load_draft(args.draft, device=device, dtype=dtype)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     chat_template = not args.no_chat_template and bool(tokenizer.chat_template)
@@ -56,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         target, draft, input_ids,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         stop_token_ids=stop_token_ids(target, tokenizer), block_size=args.block_size, seed=args.seed,
+        proposals=args.proposals,
     )
     text = IncrementalText(tokenizer)
     with tokens:
@@ -68,22 +75,25 @@ def run(args: argparse.Namespace) -> int:
     if args.verbose:
         rounds = " ".join(f"{size}:{length}" for size, length in zip(result.block_sizes, result.acceptance_lengths))
         print(f"[rounds, block size:tokens yielded: {rounds}]", file=sys.stderr)
-    print(statistics_line(result, speculating=draft is not None and args.block_size != 1), file=sys.stderr)
+    speculating = (draft is not None or args.proposals == "lookup") and args.block_size != 1
+    print(statistics_line(result, speculating), file=sys.stderr)
     return 0
 
 
 def statistics_line(result, speculating: bool) -> str:
-    """The line after the answer. When the adaptive block size kept speculation off, it says so and why, rather
-    than showing a tau of 1 that reads as a broken draft."""
+    """The line after the answer, with the tokens each source gave. When the adaptive block size kept speculation
+    off, it says so and why, rather than showing a tau of 1 that reads as a broken draft."""
     drafted = [length for size, length in zip(result.block_sizes, result.acceptance_lengths) if size > 1]
     rounds = len(result.block_sizes)
     if not speculating:
         acceptance = "no speculation (block size 1)"
     elif rounds and len(drafted) < rounds / 2:
-        drafted_tau = f"tau {sum(drafted) / len(drafted):.2f}" if drafted else "no drafting round"
-        acceptance = (f"speculation off in {rounds - len(drafted)} of {rounds} rounds: the draft's acceptance "
-                      f"({drafted_tau} in its {len(drafted)} drafting rounds) does not pay on this machine")
+        drafted_tau = f"tau {sum(drafted) / len(drafted):.2f} in the {len(drafted)}" if drafted else "no"
+        acceptance = (f"speculation off in {rounds - len(drafted)} of {rounds} rounds, where no proposal was "
+                      f"expected to pay on this machine ({drafted_tau} rounds that speculated)")
     else:
         acceptance = f"tau {result.tau:.2f}"
-    return (f"[{len(result.tokens)} tokens | {acceptance} | {result.tokens_per_second:.1f} tokens/s | "
+    sources = ", ".join(f"{source} {count}" for source, count in result.tokens_by_source.items())
+    tokens = f"{len(result.tokens)} tokens ({sources})" if speculating else f"{len(result.tokens)} tokens"
+    return (f"[{tokens} | {acceptance} | {result.tokens_per_second:.1f} tokens/s | "
             f"first token {result.time_to_first_token * 1000:.0f} ms | stop: {result.stop_reason}]")

@@ -40,6 +40,16 @@ def add_block_size_option(parser) -> None:
                         "draft's own block size)")
 
 
+def add_proposals_option(parser) -> None:
+    # No `choices`: the library's check (`flashdraft.decoding.check_proposals`) is the one list, run before any model
+    # loads; importing it here would load torch for `--help`.
+    parser.add_argument("--proposals", default=None, metavar="{hybrid,dflash,lookup}",
+                        help="what each round verifies: hybrid (the default with a draft) = the draft's block or the "
+                        "continuation of the context's latest match of its last tokens or both, whichever is "
+                        "expected to be faster, round by round; dflash = the draft alone; lookup = the context alone, "
+                        "no draft loaded")
+
+
 def device_and_dtype(args: argparse.Namespace):
     """The torch device and dtype the options name, `auto` resolved."""
     import torch

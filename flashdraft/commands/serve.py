@@ -7,7 +7,12 @@ import errno
 import socket
 import sys
 
-from flashdraft.commands.options import add_block_size_option, add_device_options, device_and_dtype
+from flashdraft.commands.options import (
+    add_block_size_option,
+    add_device_options,
+    add_proposals_option,
+    device_and_dtype,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
 # After SIGTERM the worker answers every request within a round; this bounds what is left (a client that does not
@@ -35,9 +40,11 @@ def register(subparsers) -> None:
         help="DFlash draft folder or hub id (default: the draft shipped for the default target)",
     )
     drafts.add_argument(
-        "--no-draft", action="store_true", help="serve without a draft: plain autoregressive decoding",
+        "--no-draft", action="store_true",
+        help="serve without a draft: plain autoregressive decoding (or the lookup alone, with --proposals lookup)",
     )
     add_block_size_option(parser)
+    add_proposals_option(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
@@ -68,8 +75,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"flashdraft serve needs the server packages ({error.name} is missing): pip install 'flashdraft[serve]'"
         ) from error
+    from flashdraft.decoding import check_proposals
     from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
 
+    check_proposals(args.proposals)
+    if args.no_draft and args.proposals in ("hybrid", "dflash"):
+        raise ValueError(f"--proposals {args.proposals} needs a draft: drop --no-draft, or use --proposals lookup")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_body_bytes < 1:
@@ -77,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     target_name = args.target or DEFAULT_TARGET
-    if not args.no_draft and args.draft is None and target_name != DEFAULT_TARGET:
+    draftless = args.no_draft or args.proposals == "lookup"
+    if not draftless and args.draft is None and target_name != DEFAULT_TARGET:
         raise ValueError(
             f"no draft is shipped for {target_name!r}: pass --draft FOLDER (a draft trained for it) or --no-draft"
         )
@@ -85,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         device, dtype = device_and_dtype(args)
         model, tokenizer = load_target(target_name, device=device, dtype=dtype)
-        draft = None if args.no_draft else load_draft(args.draft, device=device, dtype=dtype)
+        draft = None if draftless else load_draft(args.draft, device=device, dtype=dtype)
         engine = Engine.from_models(
-            model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size
+            model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size,
+            proposals=args.proposals,
         )
         app = create_app(engine, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
-        mode = f"draft block size {engine.block_size}" if draft is not None else "no draft"
+        mode = f"{engine.proposals} proposals, block size {engine.block_size}" if engine.proposals else "no draft"
         print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_SECONDS

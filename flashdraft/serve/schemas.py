@@ -130,6 +130,8 @@ class Statistics(BaseModel):
     """flashdraft's own figures for one request, in the extra `flashdraft` field of a response."""
 
     block_size: int | str  # tokens per verification: the anchor plus block_size - 1 proposals (1 = no draft), or "auto"
+    proposals: str | None  # what rounds verify: "hybrid", "dflash" or "lookup"; None: plain decoding
+    tokens_by_source: dict[str, int]  # completion tokens by origin: accepted proposals per source, "target" the rest
     rounds: int  # target verifications after the prefill
     tau: float  # mean acceptance length: tokens per round (accepted proposals + the bonus token)
     acceptance_lengths: list[int]  # per round

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..decoding import check_block_size, stream
+from ..decoding import check_block_size, check_proposals, stream
 from ..draft import DFlashDraftModel
 from ..proposals import check_compatible
 from ..sampling import SamplingParams
@@ -38,7 +38,8 @@ logger = logging.getLogger("flashdraft.serve")
 
 @dataclass
 class Engine:
-    """What a server serves: a target, its tokenizer, an optional draft and the name clients call it by."""
+    """What a server serves: a target, its tokenizer, an optional draft, what each round verifies and the name
+    clients call it by."""
 
     target: TargetModel
     tokenizer: PreTrainedTokenizerBase
@@ -46,6 +47,7 @@ class Engine:
     name: str
     block_size: int | str  # tokens per verification; 1 = plain autoregressive decoding; "auto" = adaptive
     stop_token_ids: frozenset[int]  # end of sequence / end of turn: generation stops on any of them
+    proposals: str | None = None  # "hybrid", "dflash", "lookup" (`flashdraft.stream`); None: plain decoding
 
     @classmethod
     def from_models(
@@ -56,16 +58,25 @@ class Engine:
         *,
         name: str,
         block_size: int | str = "auto",
+        proposals: str | None = None,
     ) -> Engine:
-        """Check the models fit together (at start-up, not on the first request); generation stops on the
-        tokenizer's eos token and the generation config's eos ids (chat models put end-of-turn there)."""
+        """Check the models and the proposals fit together (at start-up, not on the first request): `proposals`
+        as in `flashdraft.stream` (None: "hybrid" with a draft, plain decoding without; "lookup" uses no draft).
+        Generation stops on the tokenizer's eos token and the generation config's eos ids (chat models put
+        end-of-turn there)."""
         target = TargetModel(model)
-        if draft is not None:
+        check_proposals(proposals)
+        if proposals in ("hybrid", "dflash") and draft is None:
+            raise ValueError(f"proposals {proposals!r} needs a draft: pass one, or use 'lookup' (no draft)")
+        if proposals == "lookup":
+            draft = None
+        elif draft is not None:
             check_compatible(draft, target)
-        check_block_size(block_size, has_draft=draft is not None)
-        if draft is None:
+            proposals = proposals or "hybrid"
+        check_block_size(block_size, has_draft=proposals is not None)
+        if proposals is None:
             block_size = 1  # nothing to adapt: plain decoding, and the statistics say so
-        return cls(target, tokenizer, draft, name, block_size, frozenset(stop_token_ids(model, tokenizer)))
+        return cls(target, tokenizer, draft, name, block_size, frozenset(stop_token_ids(model, tokenizer)), proposals)
 
     @property
     def context_length(self) -> int | None:
@@ -242,6 +253,7 @@ class Worker:
                 stop_token_ids=engine.stop_token_ids,
                 block_size=engine.block_size,
                 seed=job.seed,
+                proposals=engine.proposals,
             )
             with tokens:  # leaving the block closes the stream: generation stops there
                 for new_tokens in tokens:
@@ -271,6 +283,8 @@ class Worker:
         result = tokens.result
         statistics = Statistics(
             block_size=engine.block_size,
+            proposals=engine.proposals,
+            tokens_by_source=result.tokens_by_source,
             rounds=len(result.acceptance_lengths),
             tau=result.tau,
             acceptance_lengths=result.acceptance_lengths,

@@ -41,6 +41,16 @@ def test_a_body_limit_below_one_byte_fails_before_any_model_loads(no_model_loads
     assert capsys.readouterr().err == "flashdraft serve: error: --max-body-bytes must be at least 1, got 0\n"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--proposals", "ngram"], "proposals must be one of hybrid, dflash, lookup (or None: the default), got 'ngram'"),
+    (["--no-draft", "--proposals", "hybrid"], "--proposals hybrid needs a draft: drop --no-draft, or use --proposals "
+                                              "lookup"),
+])
+def test_proposals_that_cannot_work_fail_before_any_model_loads(no_model_loads, capsys, argv, message):
+    assert main(["serve", "--port", "8000", *argv]) == 2
+    assert capsys.readouterr().err == f"flashdraft serve: error: {message}\n"
+
+
 def test_the_default_body_limit_is_the_apps():
     from flashdraft.commands import serve
     from flashdraft.serve import app

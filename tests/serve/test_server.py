@@ -166,6 +166,7 @@ def test_chat_greedy_equals_generate(client, models):
     assert statistics["rounds"] == len(result.acceptance_lengths)
     assert statistics["tau"] == pytest.approx(result.tau)
     assert statistics["block_size"] == BLOCK_SIZE
+    assert statistics["proposals"] == "hybrid" and statistics["tokens_by_source"] == result.tokens_by_source
 
 
 def test_chat_stops_at_the_end_of_turn(client, models):

@@ -59,9 +59,21 @@ def test_block_size_adapts_by_default_with_a_draft():
     assert Engine.from_models(target, TOKENIZER, tiny_draft(target, block_size=4), name="tiny").block_size == "auto"
 
 
-def test_block_size_above_one_needs_a_draft():
-    with pytest.raises(ValueError, match="needs a draft"):
+def test_block_size_above_one_needs_proposals():
+    with pytest.raises(ValueError, match="needs proposals"):
         Engine.from_models(tiny_target(), TOKENIZER, None, name="tiny", block_size=4)
+    with pytest.raises(ValueError, match="needs a draft"):
+        Engine.from_models(tiny_target(), TOKENIZER, None, name="tiny", proposals="hybrid")
+    with pytest.raises(ValueError, match="proposals must be one of"):
+        Engine.from_models(tiny_target(), TOKENIZER, None, name="tiny", proposals="ngram")
+
+
+def test_proposals_are_hybrid_with_a_draft_and_lookup_needs_none():
+    target = tiny_target()
+    assert Engine.from_models(target, TOKENIZER, tiny_draft(target), name="tiny").proposals == "hybrid"
+    assert Engine.from_models(target, TOKENIZER, None, name="tiny").proposals is None
+    lookup = Engine.from_models(target, TOKENIZER, tiny_draft(target), name="tiny", proposals="lookup")
+    assert lookup.proposals == "lookup" and lookup.draft is None and lookup.block_size == "auto"
 
 
 def test_draft_for_another_target_is_refused_at_start():
@@ -116,6 +128,9 @@ def test_output_equals_generate_and_stops_at_end_of_turn(engine):
     assert reference.tokens[-1] == EOT
     assert finished.statistics.acceptance_lengths == reference.acceptance_lengths
     assert finished.statistics.block_size == 4
+    assert finished.statistics.proposals == "hybrid"
+    assert finished.statistics.tokens_by_source == reference.tokens_by_source
+    assert sum(finished.statistics.tokens_by_source.values()) == finished.completion_tokens
 
 
 def test_cancelled_jobs_leave_the_queue_or_stop_and_the_worker_goes_on(engine):
