@@ -104,6 +104,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCo
             "model": target.config.to_json_string(use_diff=False),
             "proposer": type(proposer).__name__,
             "draft": draft.config.to_json_string(use_diff=False) if draft is not None else None,
+            "engine": target.engine_name,
             "dtype": str(target.dtype),
             "device": str(target.device),
             "threads": torch.get_num_threads(),

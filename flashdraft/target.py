@@ -3,7 +3,8 @@
 Embeddings through `get_input_embeddings()`, the head through `get_output_embeddings()`, the hidden states of
 chosen layers through `output_hidden_states=[indices]`, and the KV cache through transformers' `Cache` API.
 All cache handling lives here: transformers 5.24+ takes the cache as `cache=` and `DynamicCache.crop` takes a
-negative count of tokens to drop.
+negative count of tokens to drop. On CPU, in float32, Llama-family targets run on flashdraft's own exact engine
+(`flashdraft.engine`) instead of transformers' forward: the same arithmetic, several times less overhead.
 """
 
 from __future__ import annotations
@@ -14,22 +15,55 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from .engine import Engine, EngineCache, cached_kernels, unsupported_reason
 from .sampling import SamplingParams, probabilities, sample
+
+ENGINES = ("auto", "flashdraft", "transformers")
+Cache = DynamicCache | EngineCache
 
 
 class TargetModel:
-    """A causal LM wrapped for speculative decoding (batch size 1)."""
+    """A causal LM wrapped for speculative decoding (batch size 1).
 
-    def __init__(self, model: PreTrainedModel):
+    `engine`: "auto" (the default) runs flashdraft's engine where it can (Llama, Qwen2 and Qwen3 in float32 on
+    CPU, `flashdraft.engine.unsupported_reason`) and transformers' forward elsewhere; "flashdraft" requires the
+    engine (failing with the reason when it cannot run); "transformers" always runs transformers' forward.
+    """
+
+    def __init__(self, model: PreTrainedModel, engine: str = "auto"):
         if model.get_output_embeddings() is None:
             raise ValueError(
                 f"{type(model).__name__} has no output head: the target must be a causal LM "
                 "(load it with AutoModelForCausalLM)"
             )
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if engine == "flashdraft" and (reason := unsupported_reason(model)) is not None:
+            raise ValueError(f"the flashdraft engine cannot run this target: {reason}; use engine=\"transformers\"")
         self.model = model
+        self.engine_choice = engine
         self.config = model.config.get_text_config()
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+
+    @property
+    def engine(self) -> Engine | None:
+        """The flashdraft engine this target runs on, or None for transformers' forward. Built on first use and
+        kept on the model (its fused weights are the model's own, so one engine serves every wrapper), rebuilt
+        when the model's weights were replaced (e.g. `.to(dtype)`); its kernels are measured once per machine."""
+        if self.engine_choice == "transformers" or unsupported_reason(self.model) is not None:
+            return None
+        engine = getattr(self.model, "_flashdraft_engine", None)
+        if engine is None or not engine.matches(self.model):
+            engine = Engine(self.model)
+            engine.kernels = cached_kernels(engine)
+            self.model._flashdraft_engine = engine
+        return engine
+
+    @property
+    def engine_name(self) -> str:
+        """"flashdraft" or "transformers": which forward runs."""
+        return "flashdraft" if self.engine is not None else "transformers"
 
     @property
     def device(self) -> torch.device:
@@ -83,27 +117,38 @@ class TargetModel:
         rows.weight = nn.Parameter(head.weight[token_ids].detach(), requires_grad=False)
         if head.bias is not None:
             rows.bias = nn.Parameter(head.bias[token_ids].detach(), requires_grad=False)
-        return rows.to(head.weight.device)
+        return self.accelerate(rows.to(head.weight.device))
+
+    def accelerate(self, module: nn.Module) -> nn.Module:
+        """A draft (or a head) whose inference products run on this target's engine kernels
+        (`Engine.accelerate`); unchanged when the target runs transformers' forward."""
+        engine = self.engine
+        if engine is None or module.parameters().__next__().dtype != torch.float32:
+            return module
+        return engine.accelerate(module)
 
     def freeze(self) -> None:
         """No gradient for any of the target's weights (training a draft against it)."""
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def new_cache(self) -> Cache:
+        engine = self.engine
+        return engine.new_cache() if engine is not None else DynamicCache(config=self.model.config)
 
     @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,  # [1, n]
         position_ids: torch.Tensor,  # [1, n]
-        cache: DynamicCache,
+        cache: Cache,
         layer_ids: list[int] | None,
         logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached forward. Returns logits [1, n or logits_to_keep, V] and, when `layer_ids` is given, the
         concatenated hidden states of those layers [1, n, k*d] (layer i is hidden_states[i + 1])."""
+        if isinstance(cache, EngineCache):
+            return self.engine.forward(input_ids, position_ids, cache, layer_ids, logits_to_keep)
         selected = hidden_state_indices(layer_ids) if layer_ids else False
         output = self.model(
             input_ids=input_ids,
@@ -144,7 +189,7 @@ class TargetModel:
         return torch.cat([output.hidden_states[i] for i in selected], dim=-1), attention_mask
 
     @staticmethod
-    def rollback(cache: DynamicCache, num_tokens: int) -> None:
+    def rollback(cache: Cache, num_tokens: int) -> None:
         """Drop the last `num_tokens` positions of `cache` (the rejected part of a verified block)."""
         if num_tokens > 0:
             cache.crop(-num_tokens)
@@ -181,10 +226,15 @@ class TargetModel:
         responses: list[list[int]] = [[] for _ in prompt_ids]
 
         cache = self.new_cache()
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]  # [b, V]
+        engine = self.engine
+        if engine is not None:
+            logits = engine.forward(input_ids, position_ids, cache, logits_to_keep=1,
+                                    padding=attention_mask == 0)[0][:, -1]
+        else:
+            logits = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                use_cache=True, logits_to_keep=1,
+            ).logits[:, -1]  # [b, V]
         for step in range(max_new_tokens):
             live_rows = rows.tolist()
             if on_logits is not None:
@@ -197,15 +247,21 @@ class TargetModel:
                 break
             if not keep.all():  # finished rows leave the batch: their cache rows go too
                 kept = keep.nonzero().squeeze(-1)
-                cache.batch_select_indices(kept)
+                if engine is not None:
+                    cache.select_rows(kept)
+                else:
+                    cache.batch_select_indices(kept)
                 rows, tokens, attention_mask, next_position = (
                     rows[kept], tokens[kept], attention_mask[kept], next_position[kept],
                 )
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=-1)
-            logits = self.model(
-                input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position[:, None],
-                cache=cache, use_cache=True,
-            ).logits[:, -1]
+            if engine is not None:
+                logits = engine.forward(tokens[:, None], next_position[:, None], cache)[0][:, -1]
+            else:
+                logits = self.model(
+                    input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position[:, None],
+                    cache=cache, use_cache=True,
+                ).logits[:, -1]
             next_position = next_position + 1
         return responses
 

@@ -1,0 +1,506 @@
+"""The fast exact forward of a Llama-family target on CPU: what `TargetModel` runs instead of transformers' forward.
+
+The same arithmetic as transformers' Llama, Qwen2 and Qwen3 (float32, same weights), organised for what a
+speculative step costs on a CPU (BENCHMARKS.md, "CPU engine"): a third of a transformers one-token forward is
+framework overhead, and MKL's matrix products for 2 to 16 rows (exactly a verification's shape) are its slow path.
+So the engine
+- runs each layer as a handful of operators: fused q/k/v and gate/up projections (the model's own weights become
+  views of the fused ones, so nothing is stored twice), one rotary pass over queries and keys together, grouped
+  query attention without copies;
+- keeps the KV cache in preallocated tensors where rolling back a rejected block is a length (`EngineCache`);
+- computes every projection through the kernel measured fastest for its weight and number of rows on this
+  machine (`KernelChoice`: torch's `F.linear`, the same product transposed, or numpy's BLAS), measured once and
+  cached on disk like the verify costs.
+Every path is exact up to float32 rounding: logits match transformers' within float32 tolerance and greedy outputs
+are the same (tests/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from threadpoolctl import ThreadpoolController
+from torch import nn
+
+from .files import write_atomic
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # tables that depend on the position alone
+KERNEL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # rows (tokens x sequences) measured; above: torch's own
+# numpy's BLAS threads busy-wait between calls and stall badly when another process holds a core (seen here: a
+# forward 20x slower); one thread, inside the engine only, never oversubscribes.
+_ONE_BLAS_THREAD = ThreadpoolController().select(internal_api="openblas")
+THREADING_VARIABLES = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_BLOCKTIME")
+ProductFn = Callable[[torch.Tensor, torch.Tensor, np.ndarray], torch.Tensor]
+
+
+def _torch(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def _torch_transposed(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+    # W @ x^T takes MKL's small-N gemm path, several times faster than x @ W^T for 2-8 rows here.
+    return (weight @ x.T).T
+
+
+def _numpy(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+    # numpy's OpenBLAS: the fastest single-row product (gemv) on this CPU, by 2-3x.
+    return torch.from_numpy(x.numpy() @ weight_np.T)
+
+
+def _numpy_transposed(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(weight_np @ x.numpy().T).T
+
+
+PRODUCTS: dict[str, ProductFn] = {
+    "torch": _torch, "torch-t": _torch_transposed, "numpy": _numpy, "numpy-t": _numpy_transposed,
+}
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the engine cannot run `model` exactly (then transformers' forward runs), or None when it can."""
+    config = model.config.get_text_config()
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (the engine runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+    weight = model.get_input_embeddings().weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"{weight.dtype} on {weight.device.type} (the engine runs float32 on CPU)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    llama_bias = config.model_type == "llama" and getattr(config, "attention_bias", False)
+    if getattr(config, "mlp_bias", False) or llama_bias:
+        return "biases the engine does not add"
+    if getattr(config, "use_sliding_window", False) or any(
+        kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])
+    ):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
+        return f"rope type {rope.get('rope_type')!r}"
+    if any(_foreign_hooks(module) for module in model.modules()):
+        return "forward hooks on its modules (they would not run)"
+    return None
+
+
+def _foreign_hooks(module: nn.Module) -> list:
+    """A module's forward hooks other than transformers' own (it records hidden states through hooks it leaves
+    installed, harmless here)."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return [hook for hook in hooks if not getattr(hook, "__module__", "").startswith("transformers.")]
+
+
+class EngineCache:
+    """The target's K/V for every layer in preallocated tensors: rows [b, kv_heads, capacity, head_dim] per layer,
+    filled up to `length`. Rolling back is lowering the length; capacity doubles when a forward needs more.
+    `padding` ([b, capacity] bool, True where a left-padded row has no token) exists only for padded batches."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.shape = (num_layers, kv_heads, head_dim)
+        self.dtype = dtype
+        self.keys: torch.Tensor | None = None  # [layers, b, kv_heads, capacity, head_dim]
+        self.values: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[3]
+
+    def reserve(self, batch: int, length: int) -> None:
+        """Room for `length` positions of `batch` rows (keeping what is cached)."""
+        if self.keys is not None and self.keys.shape[1] != batch:
+            raise ValueError(f"this cache holds {self.keys.shape[1]} rows, the forward has {batch}")
+        if length <= self.capacity:
+            return
+        capacity = max(256, self.capacity)
+        while capacity < length:
+            capacity *= 2
+        layers, kv_heads, head_dim = self.shape
+        keys = torch.zeros(layers, batch, kv_heads, capacity, head_dim, dtype=self.dtype)
+        values = torch.zeros_like(keys)
+        if self.keys is not None:
+            keys[:, :, :, : self.length] = self.keys[:, :, :, : self.length]
+            values[:, :, :, : self.length] = self.values[:, :, :, : self.length]
+        self.keys, self.values = keys, values
+        if self.padding is not None:
+            self.padding = torch.cat([self.padding, self.padding.new_zeros(batch, capacity - self.padding.shape[1])], 1)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (a negative `length` drops that many from the end)."""
+        self.length = length if length >= 0 else max(self.length + length, 0)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (finished sequences leave a batch)."""
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        if self.padding is not None:
+            self.padding = self.padding[rows]
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2K) * hd, d]: q, k and v projections fused
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * I, d]: gate and up projections fused
+    down: torch.Tensor
+
+
+class KernelChoice:
+    """The fastest product per weight kind and row count, measured on this machine (see `measure_kernels`)."""
+
+    def __init__(self, table: dict[str, dict[int, str]]):
+        self.table = table
+        # Row counts between measured ones take the choice of the next measured count up.
+        self.lookup = {
+            kind: [PRODUCTS[by_rows[min((r for r in by_rows if r >= m), default=max(by_rows))]] if by_rows
+                   else _torch for m in range(max(KERNEL_ROWS) + 1)]
+            for kind, by_rows in table.items()
+        }
+
+    def product(self, kind: str, rows: int) -> ProductFn:
+        choices = self.lookup.get(kind)
+        return choices[rows] if choices is not None and rows < len(choices) else _torch
+
+
+class KernelLinear(nn.Linear):
+    """An `nn.Linear` (the same parameters, so the same state dict) whose inference product goes through the
+    kernel measured fastest for its kind and row count; with gradients, or off CPU float32, it is `nn.Linear`."""
+
+    kind = "qkv"
+    kernels = KernelChoice({})
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear, kind: str, kernels: KernelChoice) -> KernelLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new.kind, new.kernels = kind, kernels
+        new._array, new._array_of = None, None
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != x.dtype:
+            return super().forward(x)
+        if self._array_of != weight.data_ptr():  # the numpy view of the weight, renewed if the weight moved
+            self._array, self._array_of = weight.detach().numpy(), weight.data_ptr()
+        rows = x.numel() // self.in_features
+        with _ONE_BLAS_THREAD.limit(limits=1):
+            out = self.kernels.product(self.kind, rows)(x.reshape(rows, self.in_features), weight.detach(), self._array)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+# Which role each projection of a draft plays, for the kernel choice (measured on the target's projections).
+_DRAFT_KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+                "up_proj": "gate_up", "down_proj": "down", "fc": "down"}
+
+
+class Engine:
+    """Runs the forward of a supported model (`unsupported_reason` is None) on its own weights."""
+
+    def __init__(self, model: nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the CPU engine cannot run this model: {reason}")
+        self.config = config = model.config.get_text_config()
+        self.num_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.dtype = torch.float32
+        base = model.base_model
+        self.embed = model.get_input_embeddings().weight
+        self.norm = base.norm.weight
+        self.head_weight = model.get_output_embeddings().weight.detach()
+        self.rotary = base.rotary_emb
+        self.layers = [self._layer(layer) for layer in base.layers]
+        self.numpy = {id(w): w.detach().numpy() for w in self._weights()}
+        self.kernels = KernelChoice({})
+        self._cos = self._sin = None
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether this engine still runs on `model`'s weights (not so after e.g. `model.to(dtype)`)."""
+        layers = model.base_model.layers
+        return (
+            len(layers) == len(self.layers)
+            and model.get_input_embeddings().weight.data_ptr() == self.embed.data_ptr()
+            and all(layer.self_attn.q_proj.weight.data_ptr() == ours.qkv.data_ptr()
+                    and layer.mlp.down_proj.weight.data_ptr() == ours.down.data_ptr()
+                    for layer, ours in zip(layers, self.layers))
+        )
+
+    @staticmethod
+    @torch.no_grad()
+    def _fuse(linears: Sequence[nn.Linear]) -> torch.Tensor:
+        """One weight for several projections of the same input; each projection's weight becomes a view of it."""
+        fused = torch.cat([linear.weight.detach() for linear in linears])
+        offset = 0
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(fused[offset : offset + rows], requires_grad=linear.weight.requires_grad)
+            offset += rows
+        return fused
+
+    def _layer(self, layer: nn.Module) -> _Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        qkv_bias = None
+        if attention.q_proj.bias is not None:
+            qkv_bias = torch.cat([p.bias.detach() for p in projections])
+        q_norm = getattr(attention, "q_norm", None)
+        k_norm = getattr(attention, "k_norm", None)
+        return _Layer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=self._fuse(projections),
+            qkv_bias=qkv_bias,
+            q_norm=q_norm.weight.detach() if q_norm is not None else None,
+            k_norm=k_norm.weight.detach() if k_norm is not None else None,
+            o=attention.o_proj.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=self._fuse((mlp.gate_proj, mlp.up_proj)),
+            down=mlp.down_proj.weight.detach(),
+        )
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [self.head_weight] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                                                  layer.down)]
+
+    def accelerate(self, module: nn.Module) -> nn.Module:
+        """Route the inference products of a draft's projections (and of a head given as `module` itself) through
+        this engine's kernels: each `nn.Linear` becomes a `KernelLinear` holding the same parameters."""
+        if type(module) is nn.Linear:
+            return KernelLinear.replacing(module, "head", self.kernels)
+        for parent in list(module.modules()):
+            for name, child in parent.named_children():
+                if type(child) is nn.Linear and name in _DRAFT_KINDS:
+                    setattr(parent, name, KernelLinear.replacing(child, _DRAFT_KINDS[name], self.kernels))
+        return module
+
+    def new_cache(self) -> EngineCache:
+        return EngineCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+
+    def _rotary_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [positions, head_dim] for positions 0..length-1 at least (grown by doubling). The
+        sin table's first half is negated, so that rotate_half(x) * sin = x.roll(half) * signed_sin: one operator
+        instead of four, and the same products."""
+        if self._cos is None or self._cos.shape[0] < length:
+            size = max(256, 2 * (self._cos.shape[0] if self._cos is not None else 0), length)
+            cos, sin = self.rotary(self.embed[:1][None], torch.arange(size)[None])
+            half = self.head_dim // 2
+            self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return self._cos, self._sin
+
+    def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.kernels.product(kind, x.shape[0])(x, weight, self.numpy[id(weight)])
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [b, n]
+        position_ids: torch.Tensor,  # [b, n]
+        cache: EngineCache,
+        layer_ids: Sequence[int] | None = None,
+        logits_to_keep: int = 0,
+        padding: torch.Tensor | None = None,  # [b, n] bool, True at left padding (a padded batch's prefill)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The n new tokens after the `cache.length` cached ones. Returns logits [b, n or logits_to_keep, V] and,
+        with `layer_ids`, the concatenated outputs of those layers [b, n, k*d]."""
+        with _ONE_BLAS_THREAD.limit(limits=1):
+            return self._forward(input_ids, position_ids, cache, layer_ids, logits_to_keep, padding)
+
+    def _forward(self, input_ids, position_ids, cache, layer_ids, logits_to_keep, padding):
+        batch, n = input_ids.shape
+        start, end = cache.length, cache.length + n
+        cache.reserve(batch, end)
+        if padding is not None:
+            if cache.padding is None:
+                cache.padding = torch.zeros(batch, cache.capacity, dtype=torch.bool)
+            cache.padding[:, start:end] = padding
+        heads, kv_heads, head_dim, eps = self.num_heads, self.kv_heads, self.head_dim, self.eps
+        group = heads // kv_heads
+        rows = batch * n
+        cos, sin = self._rotary_tables(int(position_ids.max()) + 1)
+        cos, sin = cos[position_ids].view(rows, 1, head_dim), sin[position_ids].view(rows, 1, head_dim)
+        blocked = self._blocked(cache, batch, n, start, end)  # [b, 1, 1, n, end] or None
+        wanted = set(layer_ids or ())
+        collected = []
+        h = F.embedding(input_ids, self.embed).view(rows, -1)
+        for index, layer in enumerate(self.layers):
+            qkv = self._product("qkv", F.rms_norm(h, h.shape[-1:], layer.input_norm, eps), layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            qkv = qkv.reshape(rows, heads + 2 * kv_heads, head_dim)
+            if layer.q_norm is not None:
+                qk = torch.cat([F.rms_norm(qkv[:, :heads], (head_dim,), layer.q_norm, eps),
+                                F.rms_norm(qkv[:, heads : heads + kv_heads], (head_dim,), layer.k_norm, eps)], dim=1)
+            else:
+                qk = qkv[:, : heads + kv_heads]
+            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
+            keys, values = cache.keys[index], cache.values[index]  # [b, K, capacity, hd]
+            keys[:, :, start:end] = qk[:, heads:].view(batch, n, kv_heads, head_dim).transpose(1, 2)
+            values[:, :, start:end] = qkv[:, heads + kv_heads :].view(batch, n, kv_heads, head_dim).transpose(1, 2)
+            attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], blocked, batch, n, group)
+            h = h + self._product("o", attended, layer.o)
+            gate, up = self._product("gate_up", F.rms_norm(h, h.shape[-1:], layer.post_norm, eps),
+                                     layer.gate_up).chunk(2, dim=-1)
+            h = h + self._product("down", F.silu(gate) * up, layer.down)
+            if index in wanted:
+                collected.append(h)
+        cache.length = end
+        h = h.view(batch, n, -1)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        kept = h.shape[1]
+        hidden = F.rms_norm(h, h.shape[-1:], self.norm, eps).reshape(batch * kept, -1)
+        features = None
+        if layer_ids:
+            by_layer = dict(zip(sorted(wanted), collected))
+            last = len(self.layers) - 1
+            if last in by_layer:  # transformers reports the last layer's output after the final norm
+                by_layer[last] = F.rms_norm(by_layer[last], h.shape[-1:], self.norm, eps)
+            features = torch.cat([by_layer[i] for i in layer_ids], dim=-1).view(batch, n, -1)
+        logits = self._product("head", hidden, self.head_weight).reshape(batch, kept, -1)
+        return logits, features
+
+    def _attention(self, queries, keys, values, blocked, batch: int, n: int, group: int) -> torch.Tensor:
+        """Grouped-query attention as two batched products, without copying keys and values per query head:
+        the queries of the `group` heads sharing a key/value head are stacked as its rows. queries [b*n, H, hd],
+        keys and values [b, K, end, hd], `blocked` True where a query may not look -> [b*n, H*hd]."""
+        kv_heads, end, head_dim = keys.shape[1], keys.shape[2], keys.shape[3]
+        # [b*n, H, hd] -> [b, K, group*n, hd]: query head h reads key/value head h // group.
+        queries = queries.view(batch, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        queries = queries.reshape(batch * kv_heads, group * n, head_dim)
+        scores = torch.bmm(queries, keys.reshape(batch * kv_heads, end, head_dim).transpose(1, 2))
+        scores = scores.mul_(head_dim ** -0.5)
+        if blocked is not None:
+            scores = scores.view(batch, kv_heads, group, n, end).masked_fill_(blocked, float("-inf"))
+        weights = scores.view(batch * kv_heads, group * n, end).softmax(dim=-1)
+        attended = torch.bmm(weights, values.reshape(batch * kv_heads, end, head_dim))
+        return attended.view(batch, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * n, -1)
+
+    @staticmethod
+    def _blocked(cache: EngineCache, batch: int, n: int, start: int, end: int) -> torch.Tensor | None:
+        """[b, 1, 1, n, end] bool, True where a query may not attend: a later position of its block, or a padded
+        one (but never itself, so that a padding query's row is not empty). None when nothing is blocked."""
+        if n == 1 and cache.padding is None:
+            return None
+        keys = torch.arange(end)
+        queries = torch.arange(start, end)
+        blocked = (keys[None, :] > queries[:, None]).expand(batch, n, end)  # [b, n, end]
+        if cache.padding is not None:
+            itself = keys[None, None, :] == queries[None, :, None]
+            blocked = (blocked | cache.padding[:, None, :end]) & ~itself
+        return blocked[:, None, None]
+
+
+def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[str], None] | None = None) -> KernelChoice:
+    """Choose each product's kernel by row count, in two steps. Alone: every kernel on the engine's own weights
+    (cycling through all layers, so that weights stream from memory as in a forward), the fastest per weight kind.
+    Then in context: whole forwards with that choice against each kernel for every product, the fastest kept;
+    BLAS thread pools that spin (torch's OpenMP without OMP_WAIT_POLICY=PASSIVE) can make a kernel that wins alone
+    lose between torch's operators, and only a whole forward shows it."""
+    weights = {
+        "qkv": [layer.qkv for layer in engine.layers], "o": [layer.o for layer in engine.layers],
+        "gate_up": [layer.gate_up for layer in engine.layers], "down": [layer.down for layer in engine.layers],
+        "head": [engine.head_weight],
+    }
+    context = 128
+    ids = torch.randint(0, engine.embed.shape[0], (1, context + max(KERNEL_ROWS)))
+    positions = torch.arange(ids.shape[1])[None]
+    cache = engine.new_cache()
+    engine.kernels = KernelChoice({})
+    engine.forward(ids[:, :context], positions[:, :context], cache, logits_to_keep=1)
+    table: dict[str, dict[int, str]] = {kind: {} for kind in weights}
+    for rows in KERNEL_ROWS:
+        if progress:
+            progress(f"{rows} rows")
+        alone = {}
+        for kind, kind_weights in weights.items():
+            x = torch.randn(rows, kind_weights[0].shape[1])
+            seconds = _interleaved_seconds(
+                {name: partial(_products, PRODUCTS[name], x, kind_weights, engine.numpy) for name in PRODUCTS}, repeats
+            )
+            alone[kind] = min(seconds, key=seconds.__getitem__)
+        candidates = [alone] + [dict.fromkeys(weights, name) for name in PRODUCTS]
+        window = slice(context, context + rows)
+        seconds = _interleaved_seconds(
+            {i: partial(_forward_with, engine, {kind: {rows: name} for kind, name in candidate.items()},
+                        ids[:, window], positions[:, window], cache) for i, candidate in enumerate(candidates)},
+            repeats,
+        )
+        for kind, name in candidates[min(seconds, key=seconds.__getitem__)].items():
+            table[kind][rows] = name
+    engine.kernels = KernelChoice(table)
+    return engine.kernels
+
+
+def _products(product: ProductFn, x: torch.Tensor, weights: list[torch.Tensor], arrays: dict) -> None:
+    for weight in weights:
+        product(x, weight, arrays[id(weight)])
+
+
+def _forward_with(engine: Engine, table: dict, input_ids: torch.Tensor, positions: torch.Tensor,
+                  cache: EngineCache) -> None:
+    """One forward with the kernels of `table`, rolled back."""
+    engine.kernels = KernelChoice(table)
+    engine.forward(input_ids, positions, cache)
+    cache.crop(-input_ids.shape[1])
+
+
+def _interleaved_seconds(works: dict, repeats: int) -> dict:
+    """The least seconds of each work, run in turns (a rotating order, after one warm-up turn), so that a change in
+    the machine's load touches them all alike. The least, not the median: other processes only ever add time, and a
+    choice made once and cached must not follow the load of the moment it was measured."""
+    times: dict = {key: [] for key in works}
+    keys = list(works)
+    for turn in range(repeats + 1):
+        for key in keys[turn % len(keys):] + keys[: turn % len(keys)]:
+            began = time.perf_counter()
+            works[key]()
+            if turn:
+                times[key].append(time.perf_counter() - began)
+    return {key: min(spent) for key, spent in times.items()}
+
+
+def cached_kernels(engine: Engine, progress: Callable[[str], None] | None = None) -> KernelChoice:
+    """`measure_kernels`, once per model shape, thread count and library versions, then read from disk."""
+    from .models import cache_home
+
+    identity = json.dumps(
+        {
+            "model": engine.config.to_json_string(use_diff=False),
+            "threads": torch.get_num_threads(),
+            # Whether torch's threads spin between operators decides which kernels win (see measure_kernels).
+            "environment": {name: os.environ.get(name) for name in THREADING_VARIABLES},
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+        },
+        sort_keys=True,
+    )
+    path = cache_home() / "kernels" / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
+    if path.is_file():
+        return KernelChoice({kind: {int(m): name for m, name in by_rows.items()}
+                             for kind, by_rows in json.loads(path.read_text()).items()})
+    choice = measure_kernels(engine, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(choice.table))
+    return choice

@@ -1,0 +1,223 @@
+"""The CPU engine (flashdraft/engine.py): the same numbers as transformers' forward, on every kernel, every cache
+operation and every fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from threadpoolctl import threadpool_info
+from torch import nn
+
+from flashdraft.decoding import generate
+from flashdraft.engine import (
+    KERNEL_ROWS,
+    PRODUCTS,
+    Engine,
+    EngineCache,
+    KernelChoice,
+    KernelLinear,
+    cached_kernels,
+    measure_kernels,
+    unsupported_reason,
+)
+from flashdraft.target import TargetModel
+from tiny import ARCHITECTURES, tiny_draft, tiny_target
+
+KINDS = ("qkv", "o", "gate_up", "down", "head")
+
+
+def uniform(name: str) -> KernelChoice:
+    """Every product through one kernel."""
+    return KernelChoice({kind: {rows: name for rows in KERNEL_ROWS} for kind in KINDS})
+
+
+def both(arch: str = "llama", **kwargs) -> tuple[TargetModel, TargetModel]:
+    """The same tiny model seen through the engine and through transformers."""
+    model = tiny_target(arch, **kwargs)
+    return TargetModel(model, engine="flashdraft"), TargetModel(model, engine="transformers")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kernel", list(PRODUCTS))
+def test_logits_and_features_match_transformers(arch, kernel):
+    engine_target, reference = both(arch)
+    engine_target.engine.kernels = uniform(kernel)
+    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(30)[None]
+    ours, theirs = engine_target.new_cache(), reference.new_cache()
+    assert isinstance(ours, EngineCache)
+    for window in (slice(0, 20), slice(20, 21), slice(21, 25), slice(25, 30)):  # prefill, a step, two blocks
+        logits, features = engine_target.forward(ids[:, window], positions[:, window], ours, [0, 2, 3])
+        expected, expected_features = reference.forward(ids[:, window], positions[:, window], theirs, [0, 2, 3])
+        assert logits.shape == expected.shape and features.shape == expected_features.shape
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(features, expected_features, rtol=1e-4, atol=1e-5)
+
+
+def test_logits_to_keep_and_feature_order():
+    engine_target, reference = both()
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    logits, features = engine_target.forward(ids, torch.arange(12)[None], engine_target.new_cache(), [3, 1], 1)
+    expected, expected_features = reference.forward(ids, torch.arange(12)[None], reference.new_cache(), [3, 1], 1)
+    assert logits.shape == (1, 1, 96)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(features, expected_features, rtol=1e-4, atol=1e-5)  # layer 3's first, as asked
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_plain_and_speculative_decoding_equal_transformers_generate(arch):
+    model = tiny_target(arch)
+    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, 9:].tolist()
+    target = TargetModel(model)
+    assert target.engine_name == "flashdraft"
+    assert generate(target, None, prompt, max_new_tokens=40).tokens == expected
+    draft = tiny_draft(model, block_size=6)
+    for block_size in (2, 4, 6):
+        assert generate(target, draft, prompt, max_new_tokens=40, block_size=block_size).tokens == expected
+
+
+def test_rollback_is_a_length():
+    engine_target, reference = both()
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(20)[None]
+    cache = engine_target.new_cache()
+    engine_target.forward(ids[:, :10], positions[:, :10], cache, None)
+    engine_target.forward(torch.randint(0, 96, (1, 5)), positions[:, 10:15], cache, None)  # a rejected block
+    engine_target.rollback(cache, 5)
+    assert cache.get_seq_length() == 10
+    logits, _ = engine_target.forward(ids[:, 10:20], positions[:, 10:20], cache, None)
+    expected, _ = reference.forward(ids, positions, reference.new_cache(), None)
+    torch.testing.assert_close(logits, expected[:, 10:], rtol=1e-4, atol=1e-4)
+
+
+def test_cache_grows_past_its_first_capacity():
+    engine_target, reference = both(max_positions=1024)
+    ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(300)[None]
+    cache, theirs = engine_target.new_cache(), reference.new_cache()
+    engine_target.forward(ids[:, :250], positions[:, :250], cache, None)
+    reference.forward(ids[:, :250], positions[:, :250], theirs, None)
+    assert cache.capacity == 256
+    logits, _ = engine_target.forward(ids[:, 250:], positions[:, 250:], cache, None)  # grows to 512
+    expected, _ = reference.forward(ids[:, 250:], positions[:, 250:], theirs, None)
+    assert cache.capacity == 512
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_padded_batch_matches_transformers(arch):
+    engine_target, reference = both(arch)
+    prompts = [[5, 6, 7], list(range(10, 30)), [40, 41, 42, 43, 44, 45, 46]]
+    stop = [17]
+    ours = engine_target.generate_batch(prompts, 25, stop)
+    assert ours == reference.generate_batch(prompts, 25, stop)
+    for prompt, answer in zip(prompts, ours):  # and each row is what it gives alone
+        assert answer == engine_target.generate_batch([prompt], 25, stop)[0]
+
+
+def test_the_models_own_forward_is_unchanged_by_fusing():
+    model = tiny_target()
+    ids = torch.randint(0, 96, (1, 15), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        before = model(ids).logits
+    engine = TargetModel(model).engine
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    projection = model.model.layers[0].self_attn.k_proj.weight
+    assert projection.data_ptr() != model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert engine.layers[0].qkv.untyped_storage().data_ptr() == projection.untyped_storage().data_ptr()  # a view
+    assert set(model.state_dict()) == set(tiny_target().state_dict())
+
+
+def test_one_engine_per_model_rebuilt_when_weights_are_replaced():
+    model = tiny_target()
+    first = TargetModel(model).engine
+    assert TargetModel(model).engine is first
+    with torch.no_grad():
+        model.model.embed_tokens.weight = nn.Parameter(model.model.embed_tokens.weight.clone())
+    second = TargetModel(model).engine
+    assert second is not first and second.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_fallbacks_say_why():
+    model = tiny_target()
+    assert unsupported_reason(model) is None
+    assert TargetModel(model, engine="transformers").engine is None
+    assert TargetModel(model, engine="transformers").engine_name == "transformers"
+    hooked = tiny_target(forbid_token=3)
+    assert "hooks" in unsupported_reason(hooked)
+    assert TargetModel(hooked).engine is None
+    with pytest.raises(ValueError, match="hooks.*engine=\"transformers\""):
+        TargetModel(hooked, engine="flashdraft")
+    assert "bfloat16" in unsupported_reason(tiny_target().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        TargetModel(model, engine="fast")
+
+
+def test_a_hooked_head_still_runs_through_transformers():
+    model = tiny_target(forbid_token=3)
+    result = generate(model, None, torch.tensor([[3, 3, 3]]), max_new_tokens=30)
+    assert 3 not in result.tokens
+
+
+def test_kernel_linear_keeps_parameters_and_gradients():
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 24)
+    x = torch.randn(5, 3, 16)
+    for name in PRODUCTS:
+        fast = KernelLinear.replacing(linear, "qkv", KernelChoice({"qkv": {r: name for r in KERNEL_ROWS}}))
+        assert fast.weight is linear.weight and fast.bias is linear.bias
+        assert set(fast.state_dict()) == {"weight", "bias"}
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+    fast(x).sum().backward()  # with gradients it is nn.Linear
+    assert linear.weight.grad is not None and linear.weight.grad.shape == (24, 16)
+
+
+def test_drafts_run_on_the_engine_and_stay_exact():
+    model = tiny_target("qwen3")
+    draft = tiny_draft(model, block_size=4)
+    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(7))
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 7:].tolist()
+    result = generate(model, draft, prompt, max_new_tokens=30, block_size=4)
+    assert result.tokens == expected
+    assert isinstance(draft.layers[0].self_attn.q_proj, KernelLinear)
+    assert isinstance(draft.fc, KernelLinear)
+
+
+def test_kernels_are_measured_once_and_cover_every_shape(monkeypatch):
+    model = tiny_target(hidden_size=48)
+    engine = Engine(model)
+    choice = cached_kernels(engine)
+    assert set(choice.table) == set(KINDS)
+    for kind in KINDS:
+        assert sorted(choice.table[kind]) == list(KERNEL_ROWS)
+        assert set(choice.table[kind].values()) <= set(PRODUCTS)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured twice")
+
+    monkeypatch.setattr("flashdraft.engine.measure_kernels", fail)
+    assert cached_kernels(Engine(model)).table == json.loads(json.dumps(choice.table), object_hook=lambda d: {
+        (int(k) if k.isdigit() else k): v for k, v in d.items()})
+
+
+def test_measurement_leaves_the_engine_exact():
+    engine_target, reference = both()
+    measure_kernels(engine_target.engine, repeats=1)
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(8))
+    logits, _ = engine_target.forward(ids, torch.arange(8)[None], engine_target.new_cache(), None)
+    expected, _ = reference.forward(ids, torch.arange(8)[None], reference.new_cache(), None)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_numpy_blas_threads_are_restored_after_a_forward():
+    engine_target, _ = both()
+    engine_target.engine.kernels = uniform("numpy")
+    before = [pool["num_threads"] for pool in threadpool_info() if pool["internal_api"] == "openblas"]
+    engine_target.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], engine_target.new_cache(), None)
+    assert [pool["num_threads"] for pool in threadpool_info() if pool["internal_api"] == "openblas"] == before
