@@ -412,7 +412,7 @@ class Engine:
         return blocked[:, None, None]
 
 
-def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[str], None] | None = None) -> KernelChoice:
+def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], None] | None = None) -> KernelChoice:
     """Choose each product's kernel by row count, in two steps. Alone: every kernel on the engine's own weights
     (cycling through all layers, so that weights stream from memory as in a forward), the fastest per weight kind.
     Then in context: whole forwards with that choice against each kernel for every product, the fastest kept;
@@ -432,7 +432,7 @@ def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[str], 
     table: dict[str, dict[int, str]] = {kind: {} for kind in weights}
     for rows in KERNEL_ROWS:
         if progress:
-            progress(f"{rows} rows")
+            progress(rows)
         alone = {}
         for kind, kind_weights in weights.items():
             x = torch.randn(rows, kind_weights[0].shape[1])
@@ -481,7 +481,7 @@ def _interleaved_seconds(works: dict, repeats: int) -> dict:
     return {key: min(spent) for key, spent in times.items()}
 
 
-def cached_kernels(engine: Engine, progress: Callable[[str], None] | None = None) -> KernelChoice:
+def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
     """`measure_kernels`, once per model shape, thread count and library versions, then read from disk."""
     from .models import cache_home
 
@@ -498,9 +498,18 @@ def cached_kernels(engine: Engine, progress: Callable[[str], None] | None = None
     )
     path = cache_home() / "kernels" / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
     if path.is_file():
-        return KernelChoice({kind: {int(m): name for m, name in by_rows.items()}
-                             for kind, by_rows in json.loads(path.read_text()).items()})
-    choice = measure_kernels(engine, progress=progress)
+        try:
+            table = {kind: {int(m): name for m, name in by_rows.items()}
+                     for kind, by_rows in json.loads(path.read_text()).items()}
+            if all(name in PRODUCTS for by_rows in table.values() for name in by_rows.values()):
+                return KernelChoice(table)
+        except (ValueError, AttributeError):
+            pass  # a damaged file is measured again and replaced
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(KERNEL_ROWS), desc="measuring this machine's fastest kernels (once per model shape)",
+              unit="row count", leave=False, disable=not progress) as bar:
+        choice = measure_kernels(engine, progress=lambda rows: bar.update())
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(choice.table))
     return choice

@@ -22,7 +22,9 @@ from flashdraft.engine import (
     measure_kernels,
     unsupported_reason,
 )
+from flashdraft.models import cache_home
 from flashdraft.target import TargetModel
+
 from tiny import ARCHITECTURES, tiny_draft, tiny_target
 
 KINDS = ("qkv", "o", "gate_up", "down", "head")
@@ -221,3 +223,12 @@ def test_numpy_blas_threads_are_restored_after_a_forward():
     before = [pool["num_threads"] for pool in threadpool_info() if pool["internal_api"] == "openblas"]
     engine_target.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], engine_target.new_cache(), None)
     assert [pool["num_threads"] for pool in threadpool_info() if pool["internal_api"] == "openblas"] == before
+
+
+def test_a_damaged_kernel_file_is_measured_again():
+    engine = Engine(tiny_target(hidden_size=40))
+    cached_kernels(engine, progress=False)
+    for path in (cache_home() / "kernels").glob("*.json"):
+        path.write_text("{not json")
+    choice = cached_kernels(engine, progress=False)
+    assert set(choice.table) == set(KINDS)

@@ -1,0 +1,167 @@
+"""The CPU engine (flashdraft/engine.py) against transformers' forward on this machine: issue 16's four figures,
+each measured interleaved in one run.
+
+    python scripts/bench_engine.py --threads 2 --prompts 6 --max-new-tokens 96
+
+1. Plain decoding: `flashdraft.generate(block_size=1)` (library defaults, so the engine) against a separately loaded
+   transformers model's own `generate` (greedy, its defaults), prompt by prompt in turns: tokens per second, and
+   whether the tokens are identical.
+2. Forward costs after a cached context: the engine's T(n) against transformers' T(1) and T(n).
+3. The draft pass (the shipped draft at its block size) against the engine's T(1).
+4. Regeneration (`TargetModel.generate_batch`, batches of 8 prompts, greedy): response tokens per CPU-second of
+   this process, engine against transformers.
+Like the CLI, it sets OMP_WAIT_POLICY=PASSIVE before torch loads (threads that spin between operators steal the
+core a BLAS call needs). Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
+
+import flashdraft  # noqa: E402
+from flashdraft.engine import KERNEL_ROWS, unsupported_reason  # noqa: E402
+from flashdraft.evaluation.datasets import get_dataset  # noqa: E402
+from flashdraft.models import load_draft, load_target  # noqa: E402
+from flashdraft.proposals import DFlashProposer  # noqa: E402
+from flashdraft.sampling import SamplingParams  # noqa: E402
+from flashdraft.target import TargetModel  # noqa: E402
+from flashdraft.text import encode_chat  # noqa: E402
+
+
+def interleaved(works: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each work, run in turns (rotating order) after one warm-up turn."""
+    times: dict[str, list[float]] = {name: [] for name in works}
+    names = list(works)
+    for turn in range(repeats + 1):
+        for name in names[turn % len(names):] + names[: turn % len(names)]:
+            began = time.perf_counter()
+            works[name]()
+            if turn:
+                times[name].append(time.perf_counter() - began)
+    return {name: statistics.median(spent) for name, spent in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    parser.add_argument("--dataset", default="humaneval", help="evaluation set the prompts come from")
+    parser.add_argument("--prompts", type=int, default=6, help="prompts for plain decoding")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per plain decoding")
+    parser.add_argument("--regenerate-prompts", type=int, default=16, help="prompts for the regeneration figure")
+    parser.add_argument("--regenerate-tokens", type=int, default=64, help="tokens per regenerated answer")
+    parser.add_argument("--repeats", type=int, default=9, help="timed turns per forward cost")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_target(args.target)
+    reference_model, _ = load_target(args.target)  # transformers' own, never touched by the engine
+    target = TargetModel(model)
+    reference = TargetModel(reference_model, engine="transformers")
+    if target.engine is None:
+        raise SystemExit(f"the engine cannot run {args.target}: {unsupported_reason(model)}")
+    samples = get_dataset(args.dataset).load(max(args.prompts, args.regenerate_prompts))
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": s.turns[0]}]) for s in samples]
+    blas = "MKL" if torch.backends.mkl.is_available() else "other"
+    print(f"{args.target}, float32, {args.threads} torch thread(s), torch BLAS {blas}, numpy "
+          f"{__import__('numpy').__version__}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; kernels chosen: "
+          + ", ".join(f"{kind} {target.engine.kernels.table.get(kind)}" for kind in ("qkv", "head")))
+
+    # 1. Plain decoding, prompt by prompt in turns; neither stops early, so both make max_new_tokens tokens.
+    decode = {"flashdraft": [], "transformers": []}
+    identical = 0
+    for ids in prompts[: args.prompts]:
+        outputs: dict[str, list[int]] = {}
+
+        def ours(ids=ids, outputs=outputs):
+            outputs["flashdraft"] = flashdraft.generate(model, None, ids, max_new_tokens=args.max_new_tokens,
+                                                        block_size=1).tokens
+
+        def theirs(ids=ids, outputs=outputs):
+            out = reference_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=args.max_new_tokens,
+                                           eos_token_id=None, pad_token_id=0)
+            outputs["transformers"] = out[0, len(ids):].tolist()
+
+        seconds = interleaved({"flashdraft": ours, "transformers": theirs}, 1)
+        for name, spent in seconds.items():
+            decode[name].append(args.max_new_tokens / spent)
+        identical += outputs["flashdraft"] == outputs["transformers"]
+    ours_tps, theirs_tps = statistics.median(decode["flashdraft"]), statistics.median(decode["transformers"])
+    print(f"\n| plain decoding ({args.prompts} {args.dataset} prompts x {args.max_new_tokens} tokens) | tokens/s |\n"
+          f"|---|---:|\n| transformers `generate` | {theirs_tps:.1f} |\n| flashdraft, block size 1 | {ours_tps:.1f} "
+          f"|\n| **ratio** | **{ours_tps / theirs_tps:.2f}x** |\n\nidentical outputs: {identical} of {args.prompts}")
+
+    # 2. and 3. Forward costs and the draft pass, all in turns.
+    context = 128
+    ids = torch.randint(0, target.vocab_size, (1, context + max(KERNEL_ROWS)))
+    positions = torch.arange(ids.shape[1])[None]
+    caches = {}
+    for name, adapter in (("flashdraft", target), ("transformers", reference)):
+        caches[name] = adapter.new_cache()
+        adapter.forward(ids[:, :context], positions[:, :context], caches[name], None, logits_to_keep=1)
+
+    def forward(adapter, name, n):
+        def run():
+            adapter.forward(ids[:, context : context + n], positions[:, context : context + n], caches[name], None)
+            adapter.rollback(caches[name], n)
+        return run
+
+    draft = load_draft(args.draft)
+    proposer = DFlashProposer(draft, target)
+    features = torch.randn(1, context + 1, len(draft.target_layer_ids) * target.hidden_size)
+    anchor = torch.zeros(1, dtype=torch.long)
+    proposer.begin(context + 2 + draft.block_size)
+    proposer.propose(anchor, features[:, :context], context, draft.block_size, draft.block_size, SamplingParams(),
+                     None)
+
+    def draft_pass():  # a round's pass: one new context position after the cached ones, then dropped again
+        proposer.propose(anchor, features[:, context:], context + 1, draft.block_size, draft.block_size,
+                         SamplingParams(), None)
+        proposer.cache.crop(-1)
+
+    sizes = (1, 2, 4, 8, 16)
+    works = {f"flashdraft T({n})": forward(target, "flashdraft", n) for n in sizes}
+    works |= {f"transformers T({n})": forward(reference, "transformers", n) for n in (1, 4, 16)}
+    works[f"draft pass (block {draft.block_size})"] = draft_pass
+    seconds = interleaved(works, args.repeats)
+    eager_one = seconds["transformers T(1)"]
+    print(f"\n| after {context} cached tokens | ms | / transformers T(1) |\n|---|---:|---:|")
+    for name, spent in seconds.items():
+        print(f"| {name} | {spent * 1e3:.1f} | {spent / eager_one:.2f} |")
+    draft_share = seconds[f"draft pass (block {draft.block_size})"] / seconds["flashdraft T(1)"]
+    print(f"\ndraft pass / flashdraft T(1): {draft_share:.2f}; "
+          f"flashdraft T(4) / transformers T(1): {seconds['flashdraft T(4)'] / eager_one:.2f}")
+
+    # 4. Regeneration: greedy answers in batches of 8, per CPU-second of this process (threads included).
+    batch = prompts[: args.regenerate_prompts]
+    produced = {}
+
+    def regenerate(adapter, name):
+        def run():
+            answers = []
+            for first in range(0, len(batch), 8):
+                answers += adapter.generate_batch(batch[first : first + 8], args.regenerate_tokens, [])
+            produced[name] = sum(len(a) for a in answers)
+        return run
+
+    cpu = {}
+    for name, adapter in (("transformers", reference), ("flashdraft", target), ("transformers", reference),
+                          ("flashdraft", target)):
+        began = time.process_time()
+        regenerate(adapter, name)()
+        cpu.setdefault(name, []).append(produced[name] / (time.process_time() - began))
+    rates = {name: statistics.mean(values) for name, values in cpu.items()}
+    print(f"\n| regeneration ({len(batch)} prompts x {args.regenerate_tokens} tokens, batches of 8) | response tokens "
+          f"per CPU-second |\n|---|---:|\n| transformers | {rates['transformers']:.1f} |\n| flashdraft engine | "
+          f"{rates['flashdraft']:.1f} |\n| **ratio** | **{rates['flashdraft'] / rates['transformers']:.2f}x** |")
+
+
+if __name__ == "__main__":
+    main()
