@@ -51,13 +51,15 @@ def target_samples(target, samples: int = SAMPLES, prompt=PROMPT) -> Counter:
     return Counter(tuple(row) for row in out[:, len(prompt):].tolist())
 
 
-def flashdraft_samples(target, draft, samples: int = SAMPLES, prompt=PROMPT, **kwargs) -> tuple[Counter, float]:
+def flashdraft_samples(
+    target, draft, samples: int = SAMPLES, prompt=PROMPT, proposals: str = "dflash"
+) -> tuple[Counter, float]:
     counts, lengths = Counter(), []
     for seed in range(samples):
         # 4 new tokens at block 4: the first round drafts 2 proposals, so tokens 2 and 3 come from every
         # path (both accepted, a rejection at either, the bonus).
         result = flashdraft.generate(target, draft, prompt, max_new_tokens=4, block_size=4, seed=seed,
-                                     **SETTINGS, **kwargs)
+                                     proposals=proposals, **SETTINGS)
         counts[tuple(result.tokens[:3])] += 1
         lengths.append(result.acceptance_lengths[0])
     return counts, sum(lengths) / len(lengths)
@@ -96,7 +98,7 @@ def setup():
 
 def test_sampling_follows_the_target_distribution(setup):
     target, draft, reference = setup
-    counts, mean_first_round = flashdraft_samples(target, draft, proposals="dflash")
+    counts, mean_first_round = flashdraft_samples(target, draft)
     assert 1.3 < mean_first_round < 2.9, "the draft must drive both acceptances and rejections"
     assert chi_square_p_value(counts, reference) > 1e-4
 
@@ -104,7 +106,7 @@ def test_sampling_follows_the_target_distribution(setup):
 def test_a_biased_acceptance_rule_fails_the_same_test(setup, monkeypatch):
     target, draft, reference = setup
     monkeypatch.setattr(decoding, "accept_sampled", biased_accept)
-    counts, _ = flashdraft_samples(target, draft, proposals="dflash")
+    counts, _ = flashdraft_samples(target, draft)
     assert chi_square_p_value(counts, reference) < 1e-6
 
 

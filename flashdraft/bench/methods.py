@@ -1,7 +1,9 @@
 """The decoding methods a benchmark compares, each behind one call: prompt ids in, new token ids out.
 
     ar                   the target's own `generate` (plain autoregressive decoding: the baseline)
-    flashdraft           `flashdraft.generate` with the DFlash draft, at one or more block sizes
+    flashdraft           `flashdraft.generate` with the DFlash draft alone, at one or more block sizes
+    flashdraft-hybrid    `flashdraft.generate` with its default proposals: round by round the draft, the context's
+                         lookup or both (`flashdraft.proposals`), at the adaptive block size
     prompt-lookup        transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`)
     assisted             transformers' assisted generation with a small model of the same tokenizer
     reference            the reference DFlash loop, PyPI `dflash==0.1.0` (`dflash_generate`), same draft weights
@@ -23,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput
 
 import flashdraft
-from flashdraft.bench import METHOD_NAMES
+from flashdraft.bench import DRAFT_METHODS, METHOD_NAMES
 from flashdraft.draft import DFlashDraftModel
 from flashdraft.target import TargetModel
 
@@ -41,9 +43,12 @@ class DecodeSettings:
 
 
 class Method:
-    """One way to decode the target. `generate` returns the new tokens only (prompt excluded)."""
+    """One way to decode the target. `generate` returns the new tokens only (prompt excluded); afterwards,
+    `tokens_by_source` holds where they came from when the method knows (flashdraft's: accepted proposals per
+    source, "target" for the rest), else nothing."""
 
     name: str
+    tokens_by_source: dict[str, int] = {}
 
     def generate(self, input_ids: torch.Tensor, settings: DecodeSettings, seed: int) -> list[int]:
         raise NotImplementedError
@@ -80,11 +85,15 @@ class TransformersGenerate(Method):
 
 
 class FlashDraft(Method):
-    def __init__(self, target: PreTrainedModel, draft: DFlashDraftModel, block_size: int | str):
-        self.name = f"flashdraft-{block_size}" if block_size == "auto" else f"flashdraft-b{block_size}"
+    def __init__(
+        self, target: PreTrainedModel, draft: DFlashDraftModel, block_size: int | str, proposals: str = "dflash"
+    ):
+        self.name = "flashdraft-" + (proposals if proposals != "dflash" else
+                                     block_size if block_size == "auto" else f"b{block_size}")
         self.target = TargetModel(target)
         self.draft = draft
         self.block_size = block_size
+        self.proposals = proposals
 
     def generate(self, input_ids, settings, seed):
         result = flashdraft.generate(
@@ -96,7 +105,9 @@ class FlashDraft(Method):
             stop_token_ids=settings.stop_token_ids,
             block_size=self.block_size,
             seed=seed,
+            proposals=self.proposals,
         )
+        self.tokens_by_source = result.tokens_by_source
         return result.tokens
 
 
@@ -177,14 +188,14 @@ def build_methods(
 ) -> list[Method]:
     """The methods called `names`, `ar` first (the baseline every other is measured against).
 
-    `flashdraft` runs once per entry of `block_sizes` (default: the draft's own; "auto" = the adaptive block
-    size of `flashdraft.adaptive`); `reference` and
-    `transformers-dflash` run at the draft's block size.
+    `flashdraft` (the draft alone) runs once per entry of `block_sizes` (default: the draft's own; "auto" = the
+    adaptive block size of `flashdraft.adaptive`); `flashdraft-hybrid` at the adaptive block size; `reference` and
+    `transformers-dflash` at the draft's block size.
     """
     unknown = [name for name in names if name not in METHOD_NAMES]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_NAMES)}")
-    needs_draft = {"flashdraft", "reference", "transformers-dflash"} & set(names)
+    needs_draft = DRAFT_METHODS & set(names)
     if needs_draft and draft is None:
         raise ValueError(f"method(s) {', '.join(sorted(needs_draft))} need a draft: pass --draft PATH")
     if "assisted" in names:
@@ -202,6 +213,8 @@ def build_methods(
                 if block_size != "auto" and block_size < 2:
                     raise ValueError(f"block sizes must be at least 2 (1 is plain decoding, `ar`), got {block_size}")
                 methods.append(FlashDraft(target, draft, block_size))
+        elif name == "flashdraft-hybrid":
+            methods.append(FlashDraft(target, draft, "auto", "hybrid"))
         elif name == "prompt-lookup":
             methods.append(TransformersGenerate(name, target, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
         elif name == "assisted":

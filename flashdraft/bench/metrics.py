@@ -7,7 +7,12 @@
 - time to first token: mean seconds until the target's prefill forward ended;
 - tau: tokens per target forward after the prefill, pooled over all rounds of all prompts (1 for `ar`), and the
   histogram of those acceptance lengths;
-- exactness (temperature 0 only): how many outputs differ from `ar`'s for the same prompt.
+- exactness (temperature 0 only): how many outputs differ from `ar`'s for the same prompt;
+- tokens by source: each proposer's share of the output tokens (accepted proposals; "target" for the rest), for
+  the methods that say (flashdraft's).
+
+A dataset with several turns (MT-Bench) is summarised per turn, as "mt-bench turn 1", "mt-bench turn 2": a later
+turn answers with the earlier answer in its context, which changes what proposals from the context can do.
 """
 
 from __future__ import annotations
@@ -34,6 +39,18 @@ def count_differing(records: Sequence[Record], baseline: Sequence[Record]) -> in
     return sum(record.tokens != expected[(record.sample_id, record.turn)] for record in records)
 
 
+def token_shares(records: Sequence[Record]) -> dict[str, float]:
+    """Source -> share of all output tokens, pooled over the records; empty unless every record says."""
+    if not records or not all(record.tokens_by_source for record in records):
+        return {}
+    totals: dict[str, int] = {}
+    for record in records:
+        for source, count in record.tokens_by_source.items():
+            totals[source] = totals.get(source, 0) + count
+    tokens = sum(totals.values())
+    return {source: count / tokens for source, count in totals.items()} if tokens else {}
+
+
 @dataclass
 class Summary:
     dataset: str
@@ -46,6 +63,7 @@ class Summary:
     tau: float
     acceptance_histogram: dict[int, int]
     differs_from_ar: int | None  # None when sampling (outputs are not comparable)
+    token_shares: dict[str, float]  # source -> share of the output tokens; empty when the method does not say
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,10 +72,16 @@ class Summary:
 def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
     """One summary per (dataset, method): datasets, and the methods within each, in the order they first appear in
     `records` (the runner rotates the method order from prompt to prompt; its first prompt has the listed order)."""
+    multi_turn = {record.dataset for record in records if record.turn > 0}
+
+    def dataset_of(record: Record) -> str:
+        return f"{record.dataset} turn {record.turn + 1}" if record.dataset in multi_turn else record.dataset
+
+    order = {dataset: i for i, dataset in enumerate(dict.fromkeys(record.dataset for record in records))}
     groups: dict[tuple[str, str], list[Record]] = {}
-    for record in records:
-        groups.setdefault((record.dataset, record.method), []).append(record)
-    datasets = dict.fromkeys(record.dataset for record in records)
+    for record in sorted(records, key=lambda record: (order[record.dataset], record.turn)):  # turns in order
+        groups.setdefault((dataset_of(record), record.method), []).append(record)
+    datasets = dict.fromkeys(dataset for dataset, _ in groups)
     methods = dict.fromkeys(record.method for record in records)
     summaries = []
     for dataset, method in [(d, m) for d in datasets for m in methods if (d, m) in groups]:
@@ -80,6 +104,7 @@ def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
                 tau=tau(lengths),
                 acceptance_histogram=acceptance_histogram(lengths),
                 differs_from_ar=count_differing(group, baseline) if greedy else None,
+                token_shares=token_shares(group),
             )
         )
     return summaries

@@ -77,8 +77,9 @@ def write_results(
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
     header = (
-        "| dataset | method | prompts | output tokens | decode tok/s | speedup | TTFT ms | tau | differs from ar |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| dataset | method | prompts | output tokens | decode tok/s | speedup | TTFT ms | tau | tokens by source "
+        "| differs from ar |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|\n"
     )
     rows = []
     for s in summaries:
@@ -86,9 +87,14 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
         differs = "n/a (sampling)" if s.differs_from_ar is None else str(s.differs_from_ar)
         rows.append(
             f"| {s.dataset} | {s.method} | {s.prompts} | {s.output_tokens:.1f} | {s.decode_tokens_per_second:.1f} "
-            f"| {speedup} | {1000 * s.time_to_first_token:.0f} | {s.tau:.2f} | {differs} |"
+            f"| {speedup} | {1000 * s.time_to_first_token:.0f} | {s.tau:.2f} | {_shares(s.token_shares)} | {differs} |"
         )
     return header + "\n".join(rows) + "\n"
+
+
+def _shares(shares: dict[str, float]) -> str:
+    """"lookup 41%, dflash 3%, target 56%"; "n/a" for a method that does not say."""
+    return ", ".join(f"{source} {100 * share:.0f}%" for source, share in shares.items()) or "n/a"
 
 
 def _grouped(summaries: Sequence[Summary]) -> tuple[list[str], list[str]]:

@@ -5,6 +5,7 @@ Each method is measured from the outside by the same instruments, so no method r
 - a probe on the target model's forward: the end of its first forward (the prefill, which yields the first token)
   gives the time to first token, and the target's cache length at the start of each later forward gives the
   tokens each verification round added (the acceptance lengths; plain decoding adds one per forward).
+Only where the tokens came from (which proposer, for flashdraft's methods) is the method's own account.
 
 Methods run after a warm-up, prompt by prompt, in an order that rotates from one prompt to the next so no method
 always runs first. A later turn of a multi-turn sample (MT-Bench's second question) follows the answer of `ar`,
@@ -42,6 +43,7 @@ class Record:
     seconds: float  # the whole call
     time_to_first_token: float  # until the target's prefill forward ended
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens added per target forward after the prefill
+    tokens_by_source: dict[str, int] = field(default_factory=dict)  # the method's own account; empty when it has none
 
     @property
     def decode_seconds(self) -> float:
@@ -161,7 +163,7 @@ def run_benchmark(
                         )
                         records.append(
                             Record(dataset, sample.id, turn, method.name, input_ids.shape[1], tokens, seconds,
-                                   first_token, lengths)
+                                   first_token, lengths, dict(method.tokens_by_source))
                         )
                         if method is methods[0]:
                             baseline = tokens

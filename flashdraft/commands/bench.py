@@ -12,12 +12,10 @@ from pathlib import Path
 # Only what the parser needs is imported here: the CLI imports every command module to build its parser, so
 # torch and the modules that import it (the benchmark's own, the decoding loop) load inside `run`, and
 # `flashdraft --help` does not wait for them.
-from flashdraft.bench import METHOD_NAMES
+from flashdraft.bench import DRAFT_METHODS, METHOD_NAMES
 from flashdraft.commands.options import add_device_options, device_and_dtype
 from flashdraft.evaluation.datasets import DATASETS, get_dataset
 from flashdraft.models import DEFAULT_TARGET
-
-DRAFT_METHODS = {"flashdraft", "reference", "transformers-dflash"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"built-in datasets ({', '.join(DATASETS)}) and/or .jsonl prompt files (default: all built-in)")
     add("--methods", nargs="+", default=None, metavar="METHOD",
         help=f"methods among {', '.join(METHOD_NAMES)}; `ar` always runs as the baseline (default: ar, flashdraft, "
-        "prompt-lookup, transformers-dflash, plus reference when dflash is installed and assisted with --assistant)")
+        "flashdraft-hybrid, prompt-lookup, transformers-dflash, plus reference when dflash is installed and assisted "
+        "with --assistant)")
     add("--block-sizes", nargs="+", type=_block_size, default=None, metavar="B",
         help="block sizes for flashdraft, each run as its own method: integers >= 2, or `auto` for the size "
         "chosen round by round, the default of `flashdraft generate` and `serve` (default: the draft's and auto; "
@@ -70,7 +69,7 @@ def _method_names(args: argparse.Namespace) -> list[str]:
 
     if args.methods is not None:
         return args.methods
-    names = ["ar", "flashdraft", "prompt-lookup", "transformers-dflash"]
+    names = ["ar", "flashdraft", "flashdraft-hybrid", "prompt-lookup", "transformers-dflash"]
     if reference_available():
         names.append("reference")
     if args.assistant is not None:
@@ -79,8 +78,8 @@ def _method_names(args: argparse.Namespace) -> list[str]:
 
 
 def _block_sizes(args: argparse.Namespace, draft) -> list[int | str] | None:
-    """`--block-sizes`, by default the draft's own and `auto`: the adaptive size is what `flashdraft generate` and
-    `serve` run by default, so a first benchmark shows the speed users get, next to the fixed size's."""
+    """`--block-sizes` of the draft alone, by default its own and `auto` (the adaptive size), next to which
+    `flashdraft-hybrid` shows the speed `flashdraft generate` and `serve` give by default."""
     if args.block_sizes is not None or draft is None:
         return args.block_sizes
     return [draft.block_size, "auto"]

@@ -26,26 +26,32 @@ def test_bench_command_writes_every_output(folders, capsys):
     out = folders / "out"
     code = main([
         "bench", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
-        "--datasets", str(folders / "prompts.jsonl"), "--methods", "flashdraft", "prompt-lookup", "reference",
-        "transformers-dflash", "--block-sizes", "2", "4", "--max-new-tokens", "6", "--output-dir", str(out),
+        "--datasets", str(folders / "prompts.jsonl"), "--methods", "flashdraft", "flashdraft-hybrid", "prompt-lookup",
+        "reference", "transformers-dflash", "--block-sizes", "2", "4", "--max-new-tokens", "6",
+        "--output-dir", str(out),
     ])
     assert code == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
-    methods = ["ar", "flashdraft-b2", "flashdraft-b4", "prompt-lookup", "reference-b4", "transformers-dflash-b4"]
+    methods = ["ar", "flashdraft-b2", "flashdraft-b4", "flashdraft-hybrid", "prompt-lookup", "reference-b4",
+               "transformers-dflash-b4"]
     assert results["settings"]["methods"] == methods
     assert results["settings"]["dtype"] == "float32" and results["settings"]["max_new_tokens"] == 6
     assert results["machine"]["device"] == "cpu"
-    # 3 prompts (the second sample has two turns) x 6 methods, each answer at most 6 tokens
-    assert len(results["records"]) == 18
+    # 3 prompts (the second sample has two turns) x 7 methods, each answer at most 6 tokens
+    assert len(results["records"]) == 21
     assert {r["method"] for r in results["records"]} == set(methods)
     assert all(1 <= len(r["tokens"]) <= 6 for r in results["records"])
-    assert [(s["dataset"], s["method"]) for s in results["summary"]] == [("prompts", m) for m in methods]
+    # A dataset with a second turn is summarised per turn.
+    assert [(s["dataset"], s["method"]) for s in results["summary"]] == [
+        (f"prompts turn {turn}", m) for turn in (1, 2) for m in methods]
     # float32 greedy: every method reproduces ar exactly
-    assert [s["differs_from_ar"] for s in results["summary"]] == [0] * 6
+    assert [s["differs_from_ar"] for s in results["summary"]] == [0] * 14
+    hybrid = next(s for s in results["summary"] if s["method"] == "flashdraft-hybrid")
+    assert set(hybrid["token_shares"]) >= {"target"} and sum(hybrid["token_shares"].values()) == pytest.approx(1)
     table = (out / "results.md").read_text()
     assert table in printed
-    assert "| prompts | flashdraft-b4 | 3 |" in table
+    assert "| prompts turn 1 | flashdraft-b4 | 2 |" in table and "| prompts turn 2 | ar | 1 |" in table
     assert (out / "speedup.png").stat().st_size > 0 and (out / "acceptance.png").stat().st_size > 0
 
 
@@ -60,14 +66,15 @@ def test_bench_command_reports_bad_input_without_a_traceback(folders, capsys):
     assert "pass --assistant" in capsys.readouterr().err
 
 
-def test_default_methods_include_flashdraft_at_the_adaptive_block_size(folders):
-    # `auto` is what `flashdraft generate` and `serve` run by default: a first benchmark must show it.
+def test_default_methods_include_flashdraft_hybrid_and_the_draft_at_the_adaptive_block_size(folders):
+    # `flashdraft-hybrid` is what `flashdraft generate` and `serve` run by default: a first benchmark must show it.
     out = folders / "out-default"
     code = main(["bench", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
                  "--datasets", str(folders / "prompts.jsonl"), "--max-new-tokens", "4", "--output-dir", str(out)])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
-    expected = ["ar", "flashdraft-b4", "flashdraft-auto", "prompt-lookup", "transformers-dflash-b4"]
+    expected = ["ar", "flashdraft-b4", "flashdraft-auto", "flashdraft-hybrid", "prompt-lookup",
+                "transformers-dflash-b4"]
     assert results["settings"]["methods"] == expected + (["reference-b4"] if reference_available() else [])
     assert all(summary["differs_from_ar"] == 0 for summary in results["summary"])
 

@@ -70,6 +70,27 @@ def test_summary_per_dataset_and_method():
     assert summaries["e", "ar"].time_to_first_token == 1.0
 
 
+def test_token_shares_pool_the_sources_of_every_record():
+    records = [
+        record("ar", range(4), 1.0, 0.5),
+        Record("d", "s0", 0, "hybrid", 5, list(range(4)), 1.0, 0.5, [2, 1], {"target": 2, "lookup": 2}),
+        Record("d", "s1", 0, "hybrid", 5, list(range(6)), 1.0, 0.5, [3, 2], {"target": 3, "lookup": 2, "dflash": 1}),
+    ]
+    summaries = {s.method: s for s in summarize(records, greedy=False)}
+    assert summaries["hybrid"].token_shares == pytest.approx({"target": 0.5, "lookup": 0.4, "dflash": 0.1})
+    assert summaries["ar"].token_shares == {}  # a method that does not say
+
+
+def test_a_dataset_with_later_turns_is_summarised_per_turn():
+    records = [record(method, [1, 2], 1.0, 0.5, turn=turn, sample=sample) for turn in (1, 0)
+               for sample in ("a", "b") for method in ("ar", "spec")]
+    records.append(record("ar", [1], 1.0, 0.5, dataset="single"))
+    summaries = summarize(records, greedy=True)
+    assert [(s.dataset, s.method, s.prompts) for s in summaries] == [
+        ("d turn 1", "ar", 2), ("d turn 1", "spec", 2), ("d turn 2", "ar", 2), ("d turn 2", "spec", 2),
+        ("single", "ar", 1)]
+
+
 def test_sampling_leaves_exactness_out():
     records = [record("ar", [1, 2], 1.0, 0.5), record("spec", [3, 4], 1.0, 0.5)]
     assert {s.differs_from_ar for s in summarize(records, greedy=False)} == {None}

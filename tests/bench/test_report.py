@@ -12,7 +12,7 @@ from flashdraft.bench.runner import Record
 
 RECORDS = [
     Record("humaneval", "h0", 0, "ar", 7, [1, 2, 3, 4, 5], 2.5, 0.5, [1, 1, 1, 1]),
-    Record("humaneval", "h0", 0, "flashdraft-b4", 7, [1, 2, 3, 4, 5], 0.75, 0.25, [3, 1]),
+    Record("humaneval", "h0", 0, "flashdraft-b4", 7, [1, 2, 3, 4, 5], 0.75, 0.25, [3, 1], {"target": 3, "dflash": 2}),
     Record("gsm8k", "g0", 0, "ar", 9, [6, 7, 8], 1.5, 0.5, [1, 1]),
     Record("gsm8k", "g0", 0, "flashdraft-b4", 9, [6, 7, 9], 0.5, 0.25, [2]),
 ]
@@ -24,9 +24,9 @@ def test_markdown_table_rows():
     assert lines[0].startswith("| dataset | method |")
     assert len(lines) == 2 + 4
     # humaneval: ar 4 tokens / 2 s = 2 tok/s; flashdraft 4 / 0.5 s = 8 tok/s -> 4x, tau 2, same output
-    assert lines[3] == "| humaneval | flashdraft-b4 | 1 | 5.0 | 8.0 | 4.00x | 250 | 2.00 | 0 |"
+    assert lines[3] == "| humaneval | flashdraft-b4 | 1 | 5.0 | 8.0 | 4.00x | 250 | 2.00 | target 60%, dflash 40% | 0 |"
     # gsm8k: ar 2 / 1 s; flashdraft 2 / 0.25 s -> 4x; its output differs from ar's
-    assert lines[5] == "| gsm8k | flashdraft-b4 | 1 | 3.0 | 8.0 | 4.00x | 250 | 2.00 | 1 |"
+    assert lines[5] == "| gsm8k | flashdraft-b4 | 1 | 3.0 | 8.0 | 4.00x | 250 | 2.00 | n/a | 1 |"
     sampled = markdown_table(summarize(RECORDS, greedy=False))
     assert sampled.splitlines()[3].endswith("| n/a (sampling) |")
 
@@ -46,11 +46,13 @@ def test_written_report(tmp_path):
     assert results["records"][3] == {
         "dataset": "gsm8k", "sample_id": "g0", "turn": 0, "method": "flashdraft-b4", "prompt_tokens": 9,
         "tokens": [6, 7, 9], "seconds": 0.5, "time_to_first_token": 0.25, "acceptance_lengths": [2],
+        "tokens_by_source": {},
     }
     first = results["summary"][1]
     assert (first["dataset"], first["method"]) == ("humaneval", "flashdraft-b4")
     assert (first["speedup"], first["tau"]) == (4.0, 2.0)
     assert first["acceptance_histogram"] == {"1": 1, "3": 1}
+    assert first["token_shares"] == {"target": 0.6, "dflash": 0.4}
 
     assert paths["markdown"].read_text() == markdown_table(summaries)
     for kind in ("speedup", "acceptance"):

@@ -50,17 +50,22 @@ def test_probe_counts_whole_blocks_for_every_dflash_method(tokenizer):
         assert 0 < first_token < seconds
 
 
-def test_probe_agrees_with_flashdraft_own_statistics(tokenizer):
+@pytest.mark.parametrize("name, block_size, proposals", [("flashdraft", 4, "dflash"),
+                                                         ("flashdraft-hybrid", "auto", "hybrid")])
+def test_probe_agrees_with_flashdraft_own_statistics(tokenizer, name, block_size, proposals):
     target = tiny_target("qwen3", forbid_token=MASK)
     draft = tiny_draft(target, block_size=4, mask_token_id=MASK)
-    [_, method] = build_methods(["flashdraft"], target=target, tokenizer=tokenizer, draft=draft)
-    prompt = torch.tensor([list(range(20, 40))])
+    [_, method] = build_methods([name], target=target, tokenizer=tokenizer, draft=draft)
+    prompt = torch.tensor([[20, 21, 22, 23] * 5])
     settings = DecodeSettings(max_new_tokens=30, temperature=0.0, stop_token_ids=())
+    method.generate(prompt, settings, seed=0)  # the warm-up, as the runner's: costs are measured once, here
     tokens, _, _, lengths = measure(method, target, prompt, settings, seed=0)
-    result = flashdraft.generate(target, draft, prompt, max_new_tokens=30, block_size=4)
+    result = flashdraft.generate(target, draft, prompt, max_new_tokens=30, block_size=block_size,
+                                 proposals=proposals)
     assert tokens == result.tokens
     assert lengths == result.acceptance_lengths
     assert sum(lengths) == len(tokens) - 1  # the prefill gives the first token, every round the rest
+    assert method.tokens_by_source == result.tokens_by_source
 
 
 def test_interleaved_schedule_and_later_turns_follow_ar(tokenizer):
