@@ -6,7 +6,8 @@ For each forward size n: the target runs n new tokens after a cached context (as
 `torch.profiler`; the time is split by the module the operator ran in (the output head, the attention and MLP
 projections, the attention kernel, norms and rotary, the rest) and the top operators by self time are listed.
 The shipped draft's pass at its block size is profiled the same way. "Outside operators" is the wall time not
-covered by any profiled operator: Python and framework overhead. Prints Markdown.
+covered by any profiled operator: Python and framework overhead. Prints Markdown. The target runs transformers'
+forward (its modules are what the regions label); `scripts/bench_engine.py` times flashdraft's engine against it.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model, _ = load_target(args.target)
-    target = TargetModel(model)
+    target = TargetModel(model, engine="transformers")  # the module hooks below label transformers' forward
     handles = label_modules(model, target.lm_head)
     print(f"{args.target}, float32, {args.threads} thread(s), {torch.__config__.parallel_info().splitlines()[0]}, "
           f"BLAS: {'MKL' if torch.backends.mkl.is_available() else 'other'}; context {args.context} tokens")
