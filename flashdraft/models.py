@@ -500,12 +500,15 @@ def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = 
 
 @_transformers_bars_off()
 def load_target(
-    name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, engine: str = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a target causal LM and its tokenizer; the model is in eval mode on `device`, in `dtype` (None: float32).
 
     `name_or_path` is a registry name (prepared on first use, see `prepare`), a local transformers folder, or a
     hub id passed to `from_pretrained` (failing at once when the hub is unreachable and has no cached copy).
+    `engine` is the forward every `TargetModel` of this model runs by default (`flashdraft.target.TargetModel`):
+    "auto", "flashdraft" (checked here: it fails at once, saying why the engine cannot run the model) or
+    "transformers".
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -521,7 +524,12 @@ def load_target(
               else "restore the target's folder")
     check_finite(model, f"target {source}", remedy)
     tokenizer = _from_pretrained(AutoTokenizer, source, "target", extra_help=registry_help)
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    from flashdraft.target import TargetModel, remember_engine
+
+    TargetModel(model, engine)  # checks the choice before anything runs
+    remember_engine(model, engine)
+    return model, tokenizer
 
 
 @_transformers_bars_off()

@@ -19,23 +19,26 @@ from .engine import Engine, EngineCache, cached_kernels, unsupported_reason
 from .sampling import SamplingParams, probabilities, sample
 
 ENGINES = ("auto", "flashdraft", "transformers")
+_ENGINE_CHOICE = "_flashdraft_engine_choice"
 Cache = DynamicCache | EngineCache
 
 
 class TargetModel:
     """A causal LM wrapped for speculative decoding (batch size 1).
 
-    `engine`: "auto" (the default) runs flashdraft's engine where it can (Llama, Qwen2 and Qwen3 in float32 on
-    CPU, `flashdraft.engine.unsupported_reason`) and transformers' forward elsewhere; "flashdraft" requires the
-    engine (failing with the reason when it cannot run); "transformers" always runs transformers' forward.
+    `engine`: "auto" runs flashdraft's engine where it can (Llama, Qwen2 and Qwen3 in float32 on CPU,
+    `flashdraft.engine.unsupported_reason`) and transformers' forward elsewhere; "flashdraft" requires the engine
+    (failing with the reason when it cannot run); "transformers" always runs transformers' forward. None (the
+    default): the choice `load_target(engine=...)` recorded on the model, else "auto".
     """
 
-    def __init__(self, model: PreTrainedModel, engine: str = "auto"):
+    def __init__(self, model: PreTrainedModel, engine: str | None = None):
         if model.get_output_embeddings() is None:
             raise ValueError(
                 f"{type(model).__name__} has no output head: the target must be a causal LM "
                 "(load it with AutoModelForCausalLM)"
             )
+        engine = engine or getattr(model, _ENGINE_CHOICE, "auto")
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         if engine == "flashdraft" and (reason := unsupported_reason(model)) is not None:
@@ -264,6 +267,14 @@ class TargetModel:
                 ).logits[:, -1]
             next_position = next_position + 1
         return responses
+
+
+def remember_engine(model: PreTrainedModel, engine: str) -> None:
+    """Make `engine` the default of every `TargetModel` of `model` (the command line's --engine, whichever module
+    wraps the model later)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    setattr(model, _ENGINE_CHOICE, engine)
 
 
 def hidden_state_indices(layer_ids: Sequence[int]) -> list[int]:

@@ -29,7 +29,8 @@ def expected_text(target, tokenizer, prompt, max_new_tokens, chat=True):
 
 
 @pytest.mark.parametrize("extra", [[], ["--block-size", "1"], ["--block-size", "3"], ["--no-chat-template"],
-                                   ["--proposals", "dflash"], ["--proposals", "lookup", "--block-size", "6"]])
+                                   ["--proposals", "dflash"], ["--proposals", "lookup", "--block-size", "6"],
+                                   ["--engine", "transformers"], ["--engine", "flashdraft", "--block-size", "3"]])
 def test_generate_streams_the_target_greedy_answer(folders, capsys, extra):
     root, target, tokenizer = folders
     code = main(["generate", "w3 w4 w5", "--target", str(root / "target"), "--draft", str(root / "draft"),
@@ -102,6 +103,8 @@ def test_bad_input_is_reported_without_a_traceback(folders, capsys):
          "is not a DFlash draft"),
         (["generate", "w1", *base, "--device", "nosuch"], "unknown device 'nosuch': devices here are cpu"),
         (["generate", "w1", *base, "--proposals", "ngram"], "proposals must be one of hybrid, dflash, lookup"),
+        (["generate", "w1", *base, "--engine", "flashdraft", "--dtype", "bfloat16"],
+         "the flashdraft engine cannot run this target: torch.bfloat16 on cpu"),
     ]
     for argv, message in cases:
         assert main(argv) == 2

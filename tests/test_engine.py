@@ -22,10 +22,10 @@ from flashdraft.engine import (
     measure_kernels,
     unsupported_reason,
 )
-from flashdraft.models import cache_home
+from flashdraft.models import cache_home, load_target
 from flashdraft.target import TargetModel
 
-from tiny import ARCHITECTURES, tiny_draft, tiny_target
+from tiny import ARCHITECTURES, tiny_draft, tiny_target, tiny_tokenizer
 
 KINDS = ("qkv", "o", "gate_up", "down", "head")
 
@@ -232,3 +232,15 @@ def test_a_damaged_kernel_file_is_measured_again():
         path.write_text("{not json")
     choice = cached_kernels(engine, progress=False)
     assert set(choice.table) == set(KINDS)
+
+
+def test_load_target_records_the_engine_for_every_wrapper(tmp_path):
+    tiny_target().save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    model, _ = load_target(str(tmp_path / "t"), engine="transformers")
+    assert TargetModel(model).engine is None
+    model, _ = load_target(str(tmp_path / "t"))
+    assert TargetModel(model).engine_name == "flashdraft"
+    assert TargetModel(model, engine="transformers").engine is None  # an explicit choice wins
+    with pytest.raises(ValueError, match="bfloat16"):
+        load_target(str(tmp_path / "t"), dtype=torch.bfloat16, engine="flashdraft")

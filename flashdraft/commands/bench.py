@@ -101,11 +101,11 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args)
     names = _method_names(args)
     datasets = _load_datasets(args)
-    target, tokenizer = load_target(args.target, device=device, dtype=dtype)
+    target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine)
     draft = load_draft(args.draft, device=device, dtype=dtype) if DRAFT_METHODS & set(names) else None
     assistant = assistant_tokenizer = None
     if args.assistant is not None:
-        assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype)
+        assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype, engine=args.engine)
     methods = build_methods(
         names, target=target, tokenizer=tokenizer, draft=draft, block_sizes=_block_sizes(args, draft),
         assistant=assistant, assistant_tokenizer=assistant_tokenizer,
@@ -163,7 +163,7 @@ def run_replay(args: argparse.Namespace) -> int:
         raise ValueError("--replay needs fixed block sizes (integers): `auto` chooses them from timings")
     device, dtype = device_and_dtype(args)
     datasets = _load_datasets(args)
-    target, tokenizer = load_target(args.target, device=device, dtype=dtype)
+    target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine)
     draft = load_draft(args.draft, device=device, dtype=dtype)
     adapter = TargetModel(target)
     proposer = DFlashProposer(draft, adapter)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty: give the text to answer")
     check_proposals(args.proposals)  # a mistyped mode fails before the models load
     device, dtype = device_and_dtype(args)
-    target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=device, dtype=dtype)
+    target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=device, dtype=dtype, engine=args.engine)
     # Plain decoding and the lookup need no draft; anything else uses the given or the shipped one.
     draftless = args.proposals == "lookup" or (args.block_size == 1 and args.draft is None)
     draft = None if draftless else load_draft(args.draft, device=device, dtype=dtype)

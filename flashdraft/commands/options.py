@@ -10,14 +10,20 @@ from __future__ import annotations
 import argparse
 
 DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("auto", "flashdraft", "transformers")  # flashdraft.target.ENGINES, without loading torch for --help
 
 
-def add_device_options(parser) -> None:
-    """--device and --dtype, on a parser or an argument group."""
+def add_device_options(parser, engine: bool = True) -> None:
+    """--device and --dtype (and --engine, unless `engine` is False), on a parser or an argument group."""
     parser.add_argument("--device", default="auto",
                         help="torch device, e.g. cpu, cuda, cuda:1 (default: auto = cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="model weights' dtype (default: auto = bfloat16 on CUDA, float32 on CPU)")
+    if engine:
+        parser.add_argument("--engine", choices=ENGINES, default="auto",
+                            help="the target's forward: auto (default) = flashdraft's exact CPU engine where it "
+                            "runs (Llama, Qwen2, Qwen3 in float32 on CPU), else transformers'; flashdraft = the engine "
+                            "or an error saying why not; transformers = always transformers' forward")
 
 
 def block_size(text: str) -> int | str:

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     listening = bind(args.host, args.port)
     try:
         device, dtype = device_and_dtype(args)
-        model, tokenizer = load_target(target_name, device=device, dtype=dtype)
+        model, tokenizer = load_target(target_name, device=device, dtype=dtype, engine=args.engine)
         draft = None if draftless else load_draft(args.draft, device=device, dtype=dtype)
         engine = Engine.from_models(
             model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size,

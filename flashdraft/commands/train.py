@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add = group.add_argument
     add("--target", default=DEFAULT_TARGET,
         help=f"registry name, folder or hub id of the target (default: {DEFAULT_TARGET})")
-    add_device_options(group)  # under torchrun, auto is each process's own GPU (cuda:LOCAL_RANK)
+    add_device_options(group, engine=False)  # under torchrun, auto is each process's own GPU (cuda:LOCAL_RANK)
     for item in fields(PipelineConfig):
         if item.name in GROUPS:
             add = parser.add_argument_group(GROUPS[item.name]).add_argument
