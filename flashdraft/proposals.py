@@ -119,8 +119,10 @@ class DFlashProposer:
         self.proposed = False
 
     @torch.no_grad()
-    def logits(self, anchor, context, start, block_size) -> torch.Tensor:
-        """[block_size - 1, V_draft] logits of the block after the anchor."""
+    def logits(self, anchor, context, start, block_size, size=None) -> torch.Tensor:
+        """[size - 1, V_draft] logits of the first positions of the block after the anchor (`size` None: all
+        block_size - 1). The draft always runs the whole block; the head, a small draft's largest product, only
+        the rows a round uses."""
         block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
         first_position = start - context.shape[1]
         dtype = self.draft.dtype  # a draft may run in another precision than its target
@@ -129,12 +131,13 @@ class DFlashProposer:
             self.positions[:, first_position : start + block_size], self.cache,
         )
         self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
-        return self.head(hidden[:, 1:].to(self.head.weight.dtype))[0]  # the anchor's output is dropped
+        rows = hidden[:, 1 : size or block_size]  # the anchor's output is dropped
+        return self.head(rows.to(self.head.weight.dtype))[0]
 
     @torch.no_grad()
     def propose(self, anchor, context, start, block_size, size=None, params=GREEDY, generator=None):
         """`Proposer.propose`; by default the whole block, greedily."""
-        logits = self.logits(anchor, context, start, block_size)[: (size or block_size) - 1]
+        logits = self.logits(anchor, context, start, block_size, size)
         self.proposed = True
         return draft_tokens(logits, self.vocab_ids, params, generator, self.target.vocab_size)
 
@@ -258,7 +261,7 @@ class HybridProposer:
         if plan.draft:
             context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
             self.pending.clear()
-            logits = self.dflash.logits(anchor, context, start, block_size)[plan.lookup : plan.size - 1]
+            logits = self.dflash.logits(anchor, context, start, block_size, plan.size)[plan.lookup :]
             drafted, draft_q = draft_tokens(logits, self.dflash.vocab_ids, params, generator, vocab_size)
             proposals = torch.cat([proposals, drafted])
             q = None if q is None else torch.cat([q, draft_q])

@@ -193,9 +193,9 @@ class RecordingProposer(DFlashProposer):
 
     calls: list = []
 
-    def logits(self, anchor, context, start, block_size):
+    def logits(self, anchor, context, start, block_size, size=None):
         RecordingProposer.calls.append((start, context.shape[1]))
-        return super().logits(anchor, context, start, block_size)
+        return super().logits(anchor, context, start, block_size, size)
 
 
 def test_rounds_without_the_draft_still_give_it_their_context(cpu_like_costs, monkeypatch):

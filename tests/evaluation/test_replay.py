@@ -40,8 +40,8 @@ class RecordingProposer(DFlashProposer):
         super().begin(max_positions)
         self.calls = []
 
-    def logits(self, anchor, context, start, block_size):
-        logits = super().logits(anchor, context, start, block_size)
+    def logits(self, anchor, context, start, block_size, size=None):
+        logits = super().logits(anchor, context, start, block_size, size)
         self.calls.append((start, context.shape[1], anchor.item(), logits))
         return logits
 
