@@ -77,7 +77,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
     llama_bias = config.model_type == "llama" and getattr(config, "attention_bias", False)
-    if getattr(config, "mlp_bias", False) or llama_bias:
+    head_bias = getattr(model.get_output_embeddings(), "bias", None) is not None
+    if getattr(config, "mlp_bias", False) or llama_bias or head_bias:
         return "biases the engine does not add"
     if getattr(config, "use_sliding_window", False) or any(
         kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])

@@ -156,6 +156,9 @@ def test_fallbacks_say_why():
     with pytest.raises(ValueError, match="hooks.*engine=\"transformers\""):
         TargetModel(hooked, engine="flashdraft")
     assert "bfloat16" in unsupported_reason(tiny_target().to(torch.bfloat16))
+    biased = tiny_target()
+    biased.lm_head.bias = nn.Parameter(torch.zeros(96))
+    assert "biases" in unsupported_reason(biased)
     with pytest.raises(ValueError, match="engine must be one of"):
         TargetModel(model, engine="fast")
 
