@@ -337,11 +337,10 @@ class Engine:
                 cache.padding = torch.zeros(batch, cache.capacity, dtype=torch.bool)
             cache.padding[:, start:end] = padding
         heads, kv_heads, head_dim, eps = self.num_heads, self.kv_heads, self.head_dim, self.eps
-        group = heads // kv_heads
         rows = batch * n
         cos, sin = self._rotary_tables(int(position_ids.max()) + 1)
         cos, sin = cos[position_ids].view(rows, 1, head_dim), sin[position_ids].view(rows, 1, head_dim)
-        blocked = self._blocked(cache, batch, n, start, end)  # [b, 1, 1, n, end] or None
+        visible = self._visible(cache, batch, n, start, end)  # [b, 1, n, end] or None
         wanted = set(layer_ids or ())
         collected = []
         h = F.embedding(input_ids, self.embed).view(rows, -1)
@@ -359,7 +358,7 @@ class Engine:
             keys, values = cache.keys[index], cache.values[index]  # [b, K, capacity, hd]
             keys[:, :, start:end] = qk[:, heads:].view(batch, n, kv_heads, head_dim).transpose(1, 2)
             values[:, :, start:end] = qkv[:, heads + kv_heads :].view(batch, n, kv_heads, head_dim).transpose(1, 2)
-            attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], blocked, batch, n, group)
+            attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], visible, batch, n)
             h = h + self._product("o", attended, layer.o)
             gate, up = self._product("gate_up", F.rms_norm(h, h.shape[-1:], layer.post_norm, eps),
                                      layer.gate_up).chunk(2, dim=-1)
@@ -382,35 +381,30 @@ class Engine:
         logits = self._product("head", hidden, self.head_weight).reshape(batch, kept, -1)
         return logits, features
 
-    def _attention(self, queries, keys, values, blocked, batch: int, n: int, group: int) -> torch.Tensor:
-        """Grouped-query attention as two batched products, without copying keys and values per query head:
-        the queries of the `group` heads sharing a key/value head are stacked as its rows. queries [b*n, H, hd],
-        keys and values [b, K, end, hd], `blocked` True where a query may not look -> [b*n, H*hd]."""
-        kv_heads, end, head_dim = keys.shape[1], keys.shape[2], keys.shape[3]
-        # [b*n, H, hd] -> [b, K, group*n, hd]: query head h reads key/value head h // group.
-        queries = queries.view(batch, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        queries = queries.reshape(batch * kv_heads, group * n, head_dim)
-        scores = torch.bmm(queries, keys.reshape(batch * kv_heads, end, head_dim).transpose(1, 2))
-        scores = scores.mul_(head_dim ** -0.5)
-        if blocked is not None:
-            scores = scores.view(batch, kv_heads, group, n, end).masked_fill_(blocked, float("-inf"))
-        weights = scores.view(batch * kv_heads, group * n, end).softmax(dim=-1)
-        attended = torch.bmm(weights, values.reshape(batch * kv_heads, end, head_dim))
-        return attended.view(batch, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * n, -1)
+    def _attention(self, queries, keys, values, visible, batch: int, n: int) -> torch.Tensor:
+        """queries [b*n, H, hd], keys and values [b, K, end, hd], `visible` [b, 1, n, end] bool or None (all)
+        -> [b*n, H*hd]. torch's fused kernel, grouped-query without copying keys and values per head: the fastest
+        here for one query (23 us against 39 for two batched products, at 129 keys)."""
+        attended = F.scaled_dot_product_attention(
+            queries.view(batch, n, -1, keys.shape[-1]).transpose(1, 2), keys, values, attn_mask=visible,
+            enable_gqa=queries.shape[1] != keys.shape[1],
+        )  # [b, H, n, hd]
+        return attended.transpose(1, 2).reshape(batch * n, -1)
 
     @staticmethod
-    def _blocked(cache: EngineCache, batch: int, n: int, start: int, end: int) -> torch.Tensor | None:
-        """[b, 1, 1, n, end] bool, True where a query may not attend: a later position of its block, or a padded
-        one (but never itself, so that a padding query's row is not empty). None when nothing is blocked."""
+    def _visible(cache: EngineCache, batch: int, n: int, start: int, end: int) -> torch.Tensor | None:
+        """[b, 1, n, end] bool, True where a query may attend: every cached position and its block up to itself,
+        never a padded position (but always itself, so that a padding query's row is not empty). None when a
+        single query sees everything."""
         if n == 1 and cache.padding is None:
             return None
         keys = torch.arange(end)
         queries = torch.arange(start, end)
-        blocked = (keys[None, :] > queries[:, None]).expand(batch, n, end)  # [b, n, end]
+        visible = (keys[None, :] <= queries[:, None]).expand(batch, n, end)  # [b, n, end]
         if cache.padding is not None:
             itself = keys[None, None, :] == queries[None, :, None]
-            blocked = (blocked | cache.padding[:, None, :end]) & ~itself
-        return blocked[:, None, None]
+            visible = (visible & ~cache.padding[:, None, :end]) | itself
+        return visible[:, None]
 
 
 def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], None] | None = None) -> KernelChoice:
