@@ -45,7 +45,7 @@ def test_block_size_below_one(block_size):
 
 
 def test_block_size_above_one_without_a_draft():
-    with pytest.raises(ValueError, match="block_size 4 needs a draft"):
+    with pytest.raises(ValueError, match="block_size 4 needs proposals: pass a draft, or proposals='lookup'"):
         generate(None, block_size=4)
 
 

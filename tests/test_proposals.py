@@ -4,6 +4,7 @@ acceptance it tracks, the choice it makes each round, and that the loop stays lo
 import random
 
 import pytest
+import torch
 
 import flashdraft
 import flashdraft.decoding as decoding
@@ -212,19 +213,19 @@ def test_rounds_without_the_draft_still_give_it_their_context(cpu_like_costs, mo
 
 def test_the_lookup_is_scored_in_rounds_that_did_not_use_it():
     proposer = hybrid(max_size=8)
-    set_rates(proposer.draft_acceptance, 0.9)  # the draft wins every round
     proposer.begin(64)
-    set_rates(proposer.draft_acceptance, 0.9)
+    set_rates(proposer.draft_acceptance, 0.9)  # the draft beats an unproven lookup
     proposer.draft_observed = True
-    proposer.observe([1, 2, 3, 1, 2])
-    plan = proposer.plan(*proposer.index.continuation(7), 8)
-    proposer.round = (proposer.index.continuation(7)[0], 2, Plan(0, 8, True))  # as `propose` records it
-    before = list(proposer.lookup_acceptance[2].tested)
-    assert proposer.observe([3, 1, 9]) == ["dflash", "dflash"]  # the draft's two accepted tokens
-    tested = [after - decayed for after, decayed in zip(proposer.lookup_acceptance[2].tested,
-                                                         [count * 0.97 for count in before])]
-    assert tested[:4] == pytest.approx([1, 1, 1, 0])  # `3 1` matched, `9` did not (the continuation said 2)
-    assert plan.draft
+    proposer.observe([1, 2, 3, 1, 2])  # the prompt [1, 2, 3, 1] and the first token, 2: the anchor at position 4
+    width = len(proposer.target_layer_ids) * TARGETS["llama"].config.hidden_size
+    proposals, _ = proposer.propose(torch.tensor([2]), torch.randn(1, 4, width), 4, 8, 8)
+    assert proposer.round[2] == Plan(0, 8, True) and len(proposals) == 7  # the draft's block alone
+    before = [count * 0.97 for count in proposer.lookup_acceptance[2].tested]
+    assert proposer.observe([3, 1, 9]) == ["dflash", "dflash"]  # two of the draft's tokens accepted, then 9
+    tested = [after - decayed for after, decayed in zip(proposer.lookup_acceptance[2].tested, before)]
+    # The lookup would have proposed 3 1 2 ... after `1 2`: 3 and 1 right, 2 wrong (the target said 9).
+    assert tested[:4] == pytest.approx([1, 1, 1, 0])
+    assert proposer.lookup_acceptance[2].rates()[2] < 0.5 < proposer.lookup_acceptance[2].rates()[0]
 
 
 def test_unknown_or_impossible_proposals_are_refused():

@@ -349,7 +349,7 @@ def test_evaluation_tau_is_the_tau_of_real_decoding(tmp_path):
     rounds = []
     for prompt in prompts[36:]:
         rounds += flashdraft.generate(trainer.target, trainer.draft, prompt, max_new_tokens=24,
-                                      block_size=trainer.draft.block_size).acceptance_lengths
+                                      block_size=trainer.draft.block_size, proposals="dflash").acceptance_lengths
     tau = trainer.evaluate()["tau"]["own"]
     assert tau > 1.2  # a draft that learnt something, so the comparison is not between two runs of ones
     assert tau == pytest.approx(sum(rounds) / len(rounds))
