@@ -1,0 +1,63 @@
+"""The proposals against plain decoding on the same engine: `flashdraft.generate` with `block_size=1`, with the
+shipped draft (hybrid proposals, the default) and with `proposals="lookup"`, in turns prompt by prompt (a rotating
+order), greedy, with the chat template and the target's stop tokens.
+
+    python scripts/bench_proposals.py --dataset humaneval --prompts 6 --max-new-tokens 128
+
+`flashdraft bench` compares against transformers' `generate`, which does not run on flashdraft's CPU engine; this
+isolates what the proposals add on top of it. Like the CLI, it sets OMP_WAIT_POLICY=PASSIVE before torch loads.
+Prints one line per prompt (tokens/s of each, whether all three outputs agree) and the means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import flashdraft  # noqa: E402
+from flashdraft.evaluation.datasets import get_dataset  # noqa: E402
+from flashdraft.text import encode_chat, stop_token_ids  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    parser.add_argument("--dataset", default="humaneval", help="evaluation set the prompts come from")
+    parser.add_argument("--prompts", type=int, default=6, help="prompts (first turns)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most")
+    args = parser.parse_args()
+
+    model, tokenizer = flashdraft.load_target(args.target)
+    draft = flashdraft.load_draft(args.draft)
+    settings = {"max_new_tokens": args.max_new_tokens, "stop_token_ids": stop_token_ids(model, tokenizer)}
+    methods = {
+        "plain": lambda ids: flashdraft.generate(model, None, ids, block_size=1, **settings),
+        "hybrid": lambda ids: flashdraft.generate(model, draft, ids, **settings),
+        "lookup": lambda ids: flashdraft.generate(model, None, ids, proposals="lookup", **settings),
+    }
+    samples = get_dataset(args.dataset).load(args.prompts)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": s.turns[0]}]) for s in samples]
+    for run in methods.values():  # warm-up: kernels, verify costs, caches
+        run(prompts[0][:32])
+    rates: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for i, ids in enumerate(prompts):
+        outputs = {}
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            began = time.perf_counter()
+            outputs[name] = methods[name](ids).tokens
+            rates[name].append(len(outputs[name]) / (time.perf_counter() - began))
+        agree = len({tuple(tokens) for tokens in outputs.values()}) == 1
+        print(f"prompt {i}: " + ", ".join(f"{name} {rates[name][-1]:.1f}" for name in names)
+              + f" tokens/s; outputs identical: {agree}")
+    means = {name: statistics.mean(values) for name, values in rates.items()}
+    print("mean tokens/s: " + ", ".join(f"{name} {value:.1f} ({value / means['plain']:.2f}x plain)"
+                                        for name, value in means.items()))
+
+
+if __name__ == "__main__":
+    main()
