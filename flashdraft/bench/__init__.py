@@ -4,6 +4,7 @@ replay live in `flashdraft.evaluation`)."""
 # The methods `flashdraft.bench.methods` builds, named here so the command line can list them without importing
 # torch (its modules import it at the top).
 METHOD_NAMES = (
-    "ar", "flashdraft", "flashdraft-hybrid", "prompt-lookup", "assisted", "reference", "transformers-dflash",
+    "ar", "flashdraft", "flashdraft-hybrid", "flashdraft-plain", "flashdraft-lookup", "prompt-lookup", "assisted",
+    "reference", "transformers-dflash",
 )
 DRAFT_METHODS = frozenset({"flashdraft", "flashdraft-hybrid", "reference", "transformers-dflash"})  # need --draft

@@ -4,6 +4,9 @@
     flashdraft           `flashdraft.generate` with the DFlash draft alone, at one or more block sizes
     flashdraft-hybrid    `flashdraft.generate` with its default proposals: round by round the draft, the context's
                          lookup or both (`flashdraft.proposals`), at the adaptive block size
+    flashdraft-plain     `flashdraft.generate` with block size 1 and no draft: plain decoding on flashdraft's loop and
+                         target engine, so the proposals' own gain is the other flashdraft methods' speed over it
+    flashdraft-lookup    `flashdraft.generate` with the context's lookup alone (no draft), at the adaptive block size
     prompt-lookup        transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`)
     assisted             transformers' assisted generation with a small model of the same tokenizer
     reference            the reference DFlash loop, PyPI `dflash==0.1.0` (`dflash_generate`), same draft weights
@@ -86,10 +89,14 @@ class TransformersGenerate(Method):
 
 class FlashDraft(Method):
     def __init__(
-        self, target: PreTrainedModel, draft: DFlashDraftModel, block_size: int | str, proposals: str = "dflash"
+        self, target: PreTrainedModel, draft: DFlashDraftModel | None, block_size: int | str,
+        proposals: str | None = "dflash",
     ):
-        self.name = "flashdraft-" + (proposals if proposals != "dflash" else
-                                     block_size if block_size == "auto" else f"b{block_size}")
+        if draft is None and proposals != "lookup":  # no draft: plain decoding
+            self.name, block_size, proposals = "flashdraft-plain", 1, None
+        else:
+            self.name = "flashdraft-" + (proposals if proposals != "dflash" else
+                                         block_size if block_size == "auto" else f"b{block_size}")
         self.target = TargetModel(target)
         self.draft = draft
         self.block_size = block_size
@@ -215,6 +222,10 @@ def build_methods(
                 methods.append(FlashDraft(target, draft, block_size))
         elif name == "flashdraft-hybrid":
             methods.append(FlashDraft(target, draft, "auto", "hybrid"))
+        elif name == "flashdraft-plain":
+            methods.append(FlashDraft(target, None, 1, None))
+        elif name == "flashdraft-lookup":
+            methods.append(FlashDraft(target, None, "auto", "lookup"))
         elif name == "prompt-lookup":
             methods.append(TransformersGenerate(name, target, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
         elif name == "assisted":

@@ -13,7 +13,8 @@ from flashdraft.text import stop_token_ids
 from tiny import greedy_reference, tiny_draft, tiny_target, tiny_tokenizer
 
 MASK = 1
-ALL = ["ar", "flashdraft", "flashdraft-hybrid", "prompt-lookup", "assisted", "reference", "transformers-dflash"]
+ALL = ["ar", "flashdraft", "flashdraft-hybrid", "flashdraft-plain", "flashdraft-lookup", "prompt-lookup", "assisted",
+       "reference", "transformers-dflash"]
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +33,13 @@ def all_methods(models, block_sizes=(2, 4)):
 
 def test_method_list_puts_ar_first_and_runs_flashdraft_per_block_size(models):
     names = [method.name for method in all_methods(models)]
-    assert names == ["ar", "flashdraft-b2", "flashdraft-b4", "flashdraft-hybrid", "prompt-lookup", "assisted",
-                     "reference-b4", "transformers-dflash-b4"]
+    assert names == ["ar", "flashdraft-b2", "flashdraft-b4", "flashdraft-hybrid", "flashdraft-plain",
+                     "flashdraft-lookup", "prompt-lookup", "assisted", "reference-b4", "transformers-dflash-b4"]
     target, draft, _, tokenizer = models
     default = build_methods(["flashdraft"], target=target, tokenizer=tokenizer, draft=draft)
     assert [method.name for method in default] == ["ar", "flashdraft-b4"]
+    no_draft = build_methods(["flashdraft-plain", "flashdraft-lookup"], target=target, tokenizer=tokenizer)
+    assert [method.name for method in no_draft] == ["ar", "flashdraft-plain", "flashdraft-lookup"]
 
 
 @pytest.mark.parametrize("prompt", [[5, 9, 17, 33], list(range(10, 40))])
