@@ -48,10 +48,15 @@ class DecodeSettings:
 class Method:
     """One way to decode the target. `generate` returns the new tokens only (prompt excluded); afterwards,
     `tokens_by_source` holds where they came from when the method knows (flashdraft's: accepted proposals per
-    source, "target" for the rest), else nothing."""
+    source, "target" for the rest), else nothing. A method that reports its own timing and rounds (`reports_rounds`)
+    sets `first_token_seconds` and `acceptance_lengths`; the runner then puts no probe on the target, whose hooks
+    would switch flashdraft's CPU engine off (it never calls the model's forward, so a probe would see nothing)."""
 
     name: str
     tokens_by_source: dict[str, int] = {}
+    reports_rounds = False
+    first_token_seconds: float = 0.0
+    acceptance_lengths: list[int] = []
 
     def generate(self, input_ids: torch.Tensor, settings: DecodeSettings, seed: int) -> list[int]:
         raise NotImplementedError
@@ -88,6 +93,8 @@ class TransformersGenerate(Method):
 
 
 class FlashDraft(Method):
+    reports_rounds = True
+
     def __init__(
         self, target: PreTrainedModel, draft: DFlashDraftModel | None, block_size: int | str,
         proposals: str | None = "dflash",
@@ -115,6 +122,8 @@ class FlashDraft(Method):
             proposals=self.proposals,
         )
         self.tokens_by_source = result.tokens_by_source
+        self.first_token_seconds = result.time_to_first_token
+        self.acceptance_lengths = result.acceptance_lengths
         return result.tokens
 
 

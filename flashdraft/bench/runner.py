@@ -109,6 +109,12 @@ def measure(
 ) -> tuple[list[int], float, float, list[int]]:
     """Run `method` once: (new tokens, seconds, time to first token, acceptance lengths)."""
     device = input_ids.device
+    if method.reports_rounds:
+        synchronize(device)
+        began = time.perf_counter()
+        tokens = method.generate(input_ids, settings, seed)
+        synchronize(device)
+        return tokens, time.perf_counter() - began, method.first_token_seconds, list(method.acceptance_lengths)
     with TargetProbe(model, device) as probe:
         synchronize(device)
         began = time.perf_counter()

@@ -7,6 +7,7 @@ import torch
 import flashdraft
 from flashdraft.bench.methods import DecodeSettings, build_methods
 from flashdraft.bench.runner import measure, run_benchmark
+from flashdraft.engine import unsupported_reason
 from flashdraft.evaluation.datasets import Sample
 from flashdraft.text import encode_chat
 
@@ -107,3 +108,22 @@ def test_runner_needs_ar_first_and_some_prompts(tokenizer):
         run_benchmark(methods[::-1], target, tokenizer, {"d": [Sample("s", ("w1",))]}, settings)
     with pytest.raises(ValueError, match="no prompts"):
         run_benchmark(methods, target, tokenizer, {"d": []}, settings)
+
+
+def test_flashdraft_methods_are_measured_on_the_engine(tokenizer):
+    """No probe hooks on the target while a flashdraft method runs: they would switch the CPU engine off."""
+    target = tiny_target("qwen3")
+    [ar, plain] = build_methods(["flashdraft-plain"], target=target, tokenizer=tokenizer)
+    seen = []
+
+    def generate(*args, original=plain.generate, **kwargs):
+        seen.append(unsupported_reason(target))
+        return original(*args, **kwargs)
+
+    plain.generate = generate
+    prompt = torch.tensor([[20, 21, 22, 23]])
+    settings = DecodeSettings(max_new_tokens=12, temperature=0.0, stop_token_ids=())
+    tokens, seconds, first_token, lengths = measure(plain, target, prompt, settings, seed=0)
+    assert seen == [None]
+    assert tokens == measure(ar, target, prompt, settings, seed=0)[0]
+    assert lengths == [1] * 11 and 0 < first_token < seconds
