@@ -203,8 +203,12 @@ class KernelLinear(nn.Linear):
         if self._array_of != weight.data_ptr():  # the numpy view of the weight, renewed if the weight moved
             self._array, self._array_of = weight.detach().numpy(), weight.data_ptr()
         rows = x.numel() // self.in_features
-        with _ONE_BLAS_THREAD.limit(limits=1):
-            out = self.kernels.product(self.kind, rows)(x.reshape(rows, self.in_features), weight.detach(), self._array)
+        product = self.kernels.product(self.kind, rows)
+        if product in (_numpy, _numpy_transposed):
+            with _ONE_BLAS_THREAD.limit(limits=1):
+                out = product(x.reshape(rows, self.in_features), weight.detach(), self._array)
+        else:
+            out = product(x.reshape(rows, self.in_features), weight.detach(), self._array)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -431,13 +435,13 @@ def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], 
         alone = {}
         for kind, kind_weights in weights.items():
             x = torch.randn(rows, kind_weights[0].shape[1])
-            seconds = _interleaved_seconds(
+            seconds = interleaved_seconds(
                 {name: partial(_products, PRODUCTS[name], x, kind_weights, engine.numpy) for name in PRODUCTS}, repeats
             )
             alone[kind] = min(seconds, key=seconds.__getitem__)
         candidates = [alone] + [dict.fromkeys(weights, name) for name in PRODUCTS]
         window = slice(context, context + rows)
-        seconds = _interleaved_seconds(
+        seconds = interleaved_seconds(
             {i: partial(_forward_with, engine, {kind: {rows: name} for kind, name in candidate.items()},
                         ids[:, window], positions[:, window], cache) for i, candidate in enumerate(candidates)},
             repeats,
@@ -461,10 +465,11 @@ def _forward_with(engine: Engine, table: dict, input_ids: torch.Tensor, position
     cache.crop(-input_ids.shape[1])
 
 
-def _interleaved_seconds(works: dict, repeats: int) -> dict:
-    """The least seconds of each work, run in turns (a rotating order, after one warm-up turn), so that a change in
-    the machine's load touches them all alike. The least, not the median: other processes only ever add time, and a
-    choice made once and cached must not follow the load of the moment it was measured."""
+def interleaved_seconds(works: dict, repeats: int, summary: Callable[[list[float]], float] = min) -> dict:
+    """Seconds of each work, run in turns (a rotating order, after one warm-up turn) so that a change in the
+    machine's load touches them all alike, summarised over the `repeats` turns. The least by default: other
+    processes only ever add time, and a choice made once and cached must not follow the load of the moment it was
+    measured."""
     times: dict = {key: [] for key in works}
     keys = list(works)
     for turn in range(repeats + 1):
@@ -473,7 +478,7 @@ def _interleaved_seconds(works: dict, repeats: int) -> dict:
             works[key]()
             if turn:
                 times[key].append(time.perf_counter() - began)
-    return {key: min(spent) for key, spent in times.items()}
+    return {key: summary(spent) for key, spent in times.items()}
 
 
 def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:

@@ -20,6 +20,7 @@ from .sampling import SamplingParams, probabilities, sample
 
 ENGINES = ("auto", "flashdraft", "transformers")
 _ENGINE_CHOICE = "_flashdraft_engine_choice"
+_ENGINE = "_flashdraft_engine"  # the model's engine, built by `TargetModel.engine`
 Cache = DynamicCache | EngineCache
 
 
@@ -56,11 +57,11 @@ class TargetModel:
         when the model's weights were replaced (e.g. `.to(dtype)`); its kernels are measured once per machine."""
         if self.engine_choice == "transformers" or unsupported_reason(self.model) is not None:
             return None
-        engine = getattr(self.model, "_flashdraft_engine", None)
+        engine = getattr(self.model, _ENGINE, None)
         if engine is None or not engine.matches(self.model):
             engine = Engine(self.model)
             engine.kernels = cached_kernels(engine)
-            self.model._flashdraft_engine = engine
+            setattr(self.model, _ENGINE, engine)
         return engine
 
     @property
@@ -150,8 +151,8 @@ class TargetModel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached forward. Returns logits [1, n or logits_to_keep, V] and, when `layer_ids` is given, the
         concatenated hidden states of those layers [1, n, k*d] (layer i is hidden_states[i + 1])."""
-        if isinstance(cache, EngineCache):
-            return self.engine.forward(input_ids, position_ids, cache, layer_ids, logits_to_keep)
+        if isinstance(cache, EngineCache):  # made by the model's engine: no checks per round (they cost ~0.5 ms)
+            return getattr(self.model, _ENGINE).forward(input_ids, position_ids, cache, layer_ids, logits_to_keep)
         selected = hidden_state_indices(layer_ids) if layer_ids else False
         output = self.model(
             input_ids=input_ids,

@@ -25,26 +25,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import flashdraft  # noqa: E402
-from flashdraft.engine import KERNEL_ROWS, unsupported_reason  # noqa: E402
+from flashdraft.engine import KERNEL_ROWS, interleaved_seconds, unsupported_reason  # noqa: E402
 from flashdraft.evaluation.datasets import get_dataset  # noqa: E402
 from flashdraft.models import load_draft, load_target  # noqa: E402
 from flashdraft.proposals import DFlashProposer  # noqa: E402
 from flashdraft.sampling import SamplingParams  # noqa: E402
 from flashdraft.target import TargetModel  # noqa: E402
 from flashdraft.text import encode_chat  # noqa: E402
-
-
-def interleaved(works: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each work, run in turns (rotating order) after one warm-up turn."""
-    times: dict[str, list[float]] = {name: [] for name in works}
-    names = list(works)
-    for turn in range(repeats + 1):
-        for name in names[turn % len(names):] + names[: turn % len(names)]:
-            began = time.perf_counter()
-            works[name]()
-            if turn:
-                times[name].append(time.perf_counter() - began)
-    return {name: statistics.median(spent) for name, spent in times.items()}
 
 
 def main() -> None:
@@ -89,7 +76,7 @@ def main() -> None:
                                            eos_token_id=None, pad_token_id=0)
             outputs["transformers"] = out[0, len(ids):].tolist()
 
-        seconds = interleaved({"flashdraft": ours, "transformers": theirs}, 1)
+        seconds = interleaved_seconds({"flashdraft": ours, "transformers": theirs}, 1, statistics.median)
         for name, spent in seconds.items():
             decode[name].append(args.max_new_tokens / spent)
         identical += outputs["flashdraft"] == outputs["transformers"]
@@ -130,7 +117,7 @@ def main() -> None:
     works = {f"flashdraft T({n})": forward(target, "flashdraft", n) for n in sizes}
     works |= {f"transformers T({n})": forward(reference, "transformers", n) for n in (1, 4, 16)}
     works[f"draft pass (block {draft.block_size})"] = draft_pass
-    seconds = interleaved(works, args.repeats)
+    seconds = interleaved_seconds(works, args.repeats, statistics.median)
     eager_one = seconds["transformers T(1)"]
     print(f"\n| after {context} cached tokens | ms | / transformers T(1) |\n|---|---:|---:|")
     for name, spent in seconds.items():
