@@ -104,13 +104,19 @@ class EngineCache:
     filled up to `length`. Rolling back is lowering the length; capacity doubles when a forward needs more.
     `padding` ([b, capacity] bool, True where a left-padded row has no token) exists only for padded batches."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, by_position: bool = False):
         self.shape = (num_layers, kv_heads, head_dim)
         self.dtype = dtype
         self.keys: torch.Tensor | None = None  # [layers, b, kv_heads, capacity, head_dim]
         self.values: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
         self.length = 0
+        # By position (sequences of different lengths decoded together, `flashdraft.batching`): each row keeps a
+        # token's K/V at the token's own position and a query sees the positions up to its own, so rows need no
+        # padding and a row's rollback is nothing at all (what lies past its position is never seen, then
+        # overwritten). The first `rows` of the allocated rows are in use; `length` is the furthest position written.
+        self.by_position = by_position
+        self.rows = 0
 
     @property
     def capacity(self) -> int:
@@ -118,9 +124,14 @@ class EngineCache:
 
     def reserve(self, batch: int, length: int) -> None:
         """Room for `length` positions of `batch` rows (keeping what is cached)."""
-        if self.keys is not None and self.keys.shape[1] != batch:
-            raise ValueError(f"this cache holds {self.keys.shape[1]} rows, the forward has {batch}")
-        if length <= self.capacity:
+        allocated = 0 if self.keys is None else self.keys.shape[1]
+        if self.by_position:
+            if batch != self.rows:
+                raise ValueError(f"this cache holds {self.rows} rows, the forward has {batch}")
+            batch = max(batch, allocated)
+        elif self.keys is not None and allocated != batch:
+            raise ValueError(f"this cache holds {allocated} rows, the forward has {batch}")
+        if length <= self.capacity and batch <= allocated:
             return
         capacity = max(256, self.capacity)
         while capacity < length:
@@ -129,8 +140,8 @@ class EngineCache:
         keys = torch.zeros(layers, batch, kv_heads, capacity, head_dim, dtype=self.dtype)
         values = torch.zeros_like(keys)
         if self.keys is not None:
-            keys[:, :, :, : self.length] = self.keys[:, :, :, : self.length]
-            values[:, :, :, : self.length] = self.values[:, :, :, : self.length]
+            keys[:, :allocated, :, : self.length] = self.keys[:, :, :, : self.length]
+            values[:, :allocated, :, : self.length] = self.values[:, :, :, : self.length]
         self.keys, self.values = keys, values
         if self.padding is not None:
             self.padding = torch.cat([self.padding, self.padding.new_zeros(batch, capacity - self.padding.shape[1])], 1)
@@ -147,6 +158,36 @@ class EngineCache:
         self.keys, self.values = self.keys[:, rows], self.values[:, rows]
         if self.padding is not None:
             self.padding = self.padding[rows]
+
+    def add_row(self, other: EngineCache) -> None:
+        """By position: `other`'s single row (a sequence's prefill, at positions 0..other.length-1) joins as the
+        last row. Allocated rows double when full, so joining copies one row, not the batch."""
+        length = max(self.length, other.length)
+        allocated = 0 if self.keys is None else self.keys.shape[1]
+        if self.rows == allocated:
+            self._grow_rows(max(2 * allocated, 1))
+        self.rows += 1
+        self.reserve(self.rows, length)
+        self.keys[:, self.rows - 1, :, : other.length] = other.keys[:, 0, :, : other.length]
+        self.values[:, self.rows - 1, :, : other.length] = other.values[:, 0, :, : other.length]
+        self.length = length
+
+    def remove_row(self, row: int) -> None:
+        """By position: row `row` leaves; the last row moves into its place."""
+        last = self.rows - 1
+        if row != last:
+            self.keys[:, row, :, : self.length] = self.keys[:, last, :, : self.length]
+            self.values[:, row, :, : self.length] = self.values[:, last, :, : self.length]
+        self.rows = last
+
+    def _grow_rows(self, allocated: int) -> None:
+        layers, kv_heads, head_dim = self.shape
+        keys = torch.zeros(layers, allocated, kv_heads, max(self.capacity, 256), head_dim, dtype=self.dtype)
+        values = torch.zeros_like(keys)
+        if self.keys is not None:
+            keys[:, : self.keys.shape[1], :, : self.length] = self.keys[:, :, :, : self.length]
+            values[:, : self.keys.shape[1], :, : self.length] = self.values[:, :, :, : self.length]
+        self.keys, self.values = keys, values
 
 
 @dataclass
@@ -300,8 +341,8 @@ class Engine:
                     setattr(parent, name, KernelLinear.replacing(child, _DRAFT_KINDS[name], self.kernels))
         return module
 
-    def new_cache(self) -> EngineCache:
-        return EngineCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+    def new_cache(self, by_position: bool = False) -> EngineCache:
+        return EngineCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, by_position)
 
     def _rotary_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [positions, head_dim] for positions 0..length-1 at least (grown by doubling). The
@@ -335,6 +376,8 @@ class Engine:
     def _forward(self, input_ids, position_ids, cache, layer_ids, logits_to_keep, padding):
         batch, n = input_ids.shape
         start, end = cache.length, cache.length + n
+        if cache.by_position:  # each row at its own positions (see EngineCache)
+            start, end = None, int(position_ids.max()) + 1
         cache.reserve(batch, end)
         if padding is not None:
             if cache.padding is None:
@@ -344,7 +387,7 @@ class Engine:
         rows = batch * n
         cos, sin = self._rotary_tables(int(position_ids.max()) + 1)
         cos, sin = cos[position_ids].view(rows, 1, head_dim), sin[position_ids].view(rows, 1, head_dim)
-        visible = self._visible(cache, batch, n, start, end)  # [b, 1, n, end] or None
+        visible = self._visible(cache, batch, n, start, end, position_ids)  # [b, 1, n, end] or None
         wanted = set(layer_ids or ())
         collected = []
         h = F.embedding(input_ids, self.embed).view(rows, -1)
@@ -359,9 +402,15 @@ class Engine:
             else:
                 qk = qkv[:, : heads + kv_heads]
             qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
-            keys, values = cache.keys[index], cache.values[index]  # [b, K, capacity, hd]
-            keys[:, :, start:end] = qk[:, heads:].view(batch, n, kv_heads, head_dim).transpose(1, 2)
-            values[:, :, start:end] = qkv[:, heads + kv_heads :].view(batch, n, kv_heads, head_dim).transpose(1, 2)
+            keys, values = cache.keys[index][:batch], cache.values[index][:batch]  # [b, K, capacity, hd]
+            if start is None:  # by position: row r's token i goes to column position_ids[r, i]
+                rows_index = torch.arange(batch)[:, None]
+                keys.transpose(1, 2)[rows_index, position_ids] = qk[:, heads:].view(batch, n, kv_heads, head_dim)
+                values.transpose(1, 2)[rows_index, position_ids] = qkv[:, heads + kv_heads :].view(
+                    batch, n, kv_heads, head_dim)
+            else:
+                keys[:, :, start:end] = qk[:, heads:].view(batch, n, kv_heads, head_dim).transpose(1, 2)
+                values[:, :, start:end] = qkv[:, heads + kv_heads :].view(batch, n, kv_heads, head_dim).transpose(1, 2)
             attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], visible, batch, n)
             h = h + self._product("o", attended, layer.o)
             gate, up = self._product("gate_up", F.rms_norm(h, h.shape[-1:], layer.post_norm, eps),
@@ -369,7 +418,7 @@ class Engine:
             h = h + self._product("down", F.silu(gate) * up, layer.down)
             if index in wanted:
                 collected.append(h)
-        cache.length = end
+        cache.length = max(cache.length, end) if start is None else end
         h = h.view(batch, n, -1)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -396,10 +445,13 @@ class Engine:
         return attended.transpose(1, 2).reshape(batch * n, -1)
 
     @staticmethod
-    def _visible(cache: EngineCache, batch: int, n: int, start: int, end: int) -> torch.Tensor | None:
+    def _visible(cache: EngineCache, batch: int, n: int, start: int | None, end: int,
+                 position_ids: torch.Tensor) -> torch.Tensor | None:
         """[b, 1, n, end] bool, True where a query may attend: every cached position and its block up to itself,
         never a padded position (but always itself, so that a padding query's row is not empty). None when a
-        single query sees everything."""
+        single query sees everything. By position (`start` None): the columns up to the query's own position."""
+        if start is None:
+            return (torch.arange(end)[None, None, :] <= position_ids[:, :, None])[:, None]
         if n == 1 and cache.padding is None:
             return None
         keys = torch.arange(end)
