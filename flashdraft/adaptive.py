@@ -13,6 +13,7 @@ fresh.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import statistics
@@ -90,10 +91,63 @@ def measure_draft_seconds(proposer, target: TargetModel, block_size: int, contex
     return statistics.median(times[1:])
 
 
-def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCosts, float]:
+def measure_batch_verify_costs(
+    target: TargetModel, max_size: int, batch_size: int, context_length: int = 128, repeats: int = 3
+) -> VerifyCosts:
+    """`measure_verify_costs` for `batch_size` sequences verified together (`TargetModel.forward_rows`): seconds
+    of one forward over n new tokens per row, for the whole batch."""
+    sizes = sorted({n for n in MEASURED_SIZES if n <= max_size} | {max_size})
+    ids = torch.randint(0, target.vocab_size, (batch_size, context_length + max_size), device=target.device)
+    positions = torch.arange(context_length + max_size, device=target.device)[None].expand(batch_size, -1)
+    prefilled = target.new_cache()
+    target.forward(ids[:1, :context_length], positions[:1, :context_length], prefilled, None, logits_to_keep=1)
+    rows = target.new_row_cache()
+    for _ in range(batch_size):  # the rows' contexts need not differ for a time
+        rows.add(copy.deepcopy(prefilled))
+    seconds = {}
+    for n in sizes:
+        times = []
+        for _ in range(repeats + 1):  # the first run of each size warms up
+            window = slice(context_length, context_length + n)
+            synchronize(target.device)
+            began = time.perf_counter()
+            target.forward_rows(ids[:, window], positions[:, window], rows, None)
+            synchronize(target.device)
+            times.append(time.perf_counter() - began)
+            rows.keep([context_length] * batch_size)
+        seconds[n] = statistics.median(times[1:])
+    return VerifyCosts(seconds)
+
+
+def measure_batch_draft_seconds(proposer, target: TargetModel, block_size: int, batch_size: int,
+                                context_length: int = 128, repeats: int = 3) -> float:
+    """One drafting pass over `batch_size` sequences (`DFlashProposer.logits_rows`); 0 for a proposer without a
+    draft (the lookup costs nothing next to a forward)."""
+    if not hasattr(proposer, "logits_rows"):
+        return 0.0
+    width = len(proposer.target_layer_ids) * target.hidden_size
+    contexts = [torch.randn(1, context_length, width, device=target.device, dtype=target.dtype)] * batch_size
+    anchors = torch.zeros(batch_size, dtype=torch.long, device=target.device)
+    rows = list(range(batch_size))
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        cache = proposer.new_row_cache()
+        for _ in rows:
+            cache.add_row()
+        synchronize(target.device)
+        began = time.perf_counter()
+        proposer.logits_rows(cache, rows, anchors, contexts, [context_length] * batch_size, block_size,
+                             [block_size] * batch_size)
+        synchronize(target.device)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[1:])
+
+
+def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int = 1) -> tuple[VerifyCosts, float]:
     """The target's verify costs up to `max_size` and the proposer's drafting time, measured once per model,
-    draft, dtype, device and thread count, then read from disk. Measured, not tracked online, so that the block
-    sizes chosen (and with them a seeded sampling run's output) do not depend on the machine's load of the day."""
+    draft, dtype, device, thread count and batch size, then read from disk. Measured, not tracked online, so that
+    the block sizes chosen (and with them a seeded sampling run's output) do not depend on the machine's load of
+    the day. Costs at a batch size above 1 are those of the whole batch's forward (`measure_batch_verify_costs`)."""
     from .models import cache_home
 
     draft = getattr(proposer, "draft", None)
@@ -110,6 +164,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCo
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "max_size": max_size,
+            **({"batch_size": batch_size} if batch_size > 1 else {}),  # batch size 1 keeps its earlier files
         },
         sort_keys=True,
     )
@@ -117,11 +172,44 @@ def cached_costs(target: TargetModel, proposer, max_size: int) -> tuple[VerifyCo
     if path.is_file():
         saved = json.loads(path.read_text())
         return VerifyCosts({int(n): s for n, s in saved["verify"].items()}), saved["draft"]
-    costs = measure_verify_costs(target, max_size)
-    draft_seconds = measure_draft_seconds(proposer, target, max_size)
+    if batch_size > 1:
+        costs = measure_batch_verify_costs(target, max_size, batch_size)
+        draft_seconds = measure_batch_draft_seconds(proposer, target, max_size, batch_size)
+    else:
+        costs = measure_verify_costs(target, max_size)
+        draft_seconds = measure_draft_seconds(proposer, target, max_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({"verify": costs.seconds, "draft": draft_seconds}))
     return costs, draft_seconds
+
+
+class BatchCosts:
+    """A batch's round costs at any batch size: `cached_costs` at powers of two (each measured on first need, then
+    kept on disk), interpolated between them, so that a batch of b rows plans with what b rows cost."""
+
+    def __init__(self, target: TargetModel, proposer, max_size: int):
+        self.target, self.proposer, self.max_size = target, proposer, max_size
+        self.measured: dict[int, tuple[VerifyCosts, float]] = {}
+        self.interpolated: dict[int, tuple[VerifyCosts, float]] = {}
+
+    def _measured(self, batch_size: int) -> tuple[VerifyCosts, float]:
+        if batch_size not in self.measured:
+            self.measured[batch_size] = cached_costs(self.target, self.proposer, self.max_size, batch_size)
+        return self.measured[batch_size]
+
+    def at(self, batch_size: int) -> tuple[VerifyCosts, float]:
+        """(verify costs, draft seconds) of a round over `batch_size` rows."""
+        if batch_size not in self.interpolated:
+            low = 1 << (batch_size.bit_length() - 1)
+            if low == batch_size:
+                self.interpolated[batch_size] = self._measured(batch_size)
+            else:
+                (low_costs, low_draft), (high_costs, high_draft) = self._measured(low), self._measured(2 * low)
+                share = (batch_size - low) / low
+                verify = VerifyCosts({n: seconds + share * (high_costs.seconds[n] - seconds)
+                                      for n, seconds in low_costs.seconds.items()})
+                self.interpolated[batch_size] = verify, low_draft + share * (high_draft - low_draft)
+        return self.interpolated[batch_size]
 
 
 class BlockSizeController:

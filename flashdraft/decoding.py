@@ -2,7 +2,7 @@
 
 `stream()` runs the loop as a generator that yields the tokens of each round; `generate()` consumes it. The
 same loop with a block size of 1 is plain autoregressive decoding (no proposals, one target token per round).
-Batch size 1.
+One sequence; `flashdraft.batching` decodes several together with the same rules.
 """
 
 from __future__ import annotations
@@ -122,19 +122,8 @@ def stream(
     params = SamplingParams(temperature, top_p, top_k)
     check_seed(seed)  # also when greedy, which does not use it: a seed no generator takes is a mistake either way
     proposer, block_size, controller = _proposer(target, draft, proposals, block_size)
-    prompt = _prompt_tensor(input_ids, target)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
-    limit = target.max_positions
-    if limit is not None and prompt.shape[1] + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt ({prompt.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the target's "
-            f"maximum of {limit} positions: shorten the prompt or lower max_new_tokens"
-        )
-    generator = None
-    if not params.greedy:
-        generator = torch.Generator(device=target.device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+    prompt = checked_prompt(input_ids, target, max_new_tokens)
+    generator = new_generator(params, seed, target.device)
     result = GenerationResult()
     rounds = _decode(
         target, proposer, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()), block_size, controller,
@@ -143,11 +132,32 @@ def stream(
     return TokenStream(rounds, result)
 
 
-def _proposer(
-    target: TargetModel, draft: DFlashDraftModel | Proposer | None, proposals: str | None, block_size: int | str | None
-) -> tuple[Proposer | None, int, BlockSizeController | None]:
-    """What `stream`'s `draft`, `proposals` and `block_size` mean: (the proposer, None for plain decoding; the
-    largest round's size; the controller choosing each round's size, for the draft alone under "auto")."""
+def checked_prompt(input_ids, target: TargetModel, max_new_tokens: int) -> torch.Tensor:
+    """The prompt as a [1, P] tensor, checked with the budget against the target's vocabulary and positions."""
+    prompt = _prompt_tensor(input_ids, target)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
+    limit = target.max_positions
+    if limit is not None and prompt.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the target's "
+            f"maximum of {limit} positions: shorten the prompt or lower max_new_tokens"
+        )
+    return prompt
+
+
+def new_generator(params: SamplingParams, seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A sampling run's generator, seeded (`seed`, else a fresh random seed); None when greedy."""
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator
+
+
+def proposal_mode(draft: DFlashDraftModel | Proposer | None, proposals: str | None) -> str | None:
+    """What `proposals` means with this draft: "hybrid", "dflash", "lookup", or None (plain decoding); fails on a
+    combination that cannot run."""
     check_proposals(proposals)
     if proposals in ("hybrid", "dflash") and draft is None:
         raise ValueError(f"proposals={proposals!r} needs a draft: pass one, or use proposals='lookup' (no draft)")
@@ -155,7 +165,16 @@ def _proposer(
         raise ValueError("proposals='hybrid' combines the lookup with a DFlash draft (a DFlashDraftModel); a proposer "
                          "object runs alone: proposals='dflash' or None")
     if proposals is None:
-        proposals = "hybrid" if isinstance(draft, DFlashDraftModel) else None if draft is None else "dflash"
+        return "hybrid" if isinstance(draft, DFlashDraftModel) else None if draft is None else "dflash"
+    return proposals
+
+
+def _proposer(
+    target: TargetModel, draft: DFlashDraftModel | Proposer | None, proposals: str | None, block_size: int | str | None
+) -> tuple[Proposer | None, int, BlockSizeController | None]:
+    """What `stream`'s `draft`, `proposals` and `block_size` mean: (the proposer, None for plain decoding; the
+    largest round's size; the controller choosing each round's size, for the draft alone under "auto")."""
+    proposals = proposal_mode(draft, proposals)
     dflash = DFlashProposer(draft, target) if isinstance(draft, DFlashDraftModel) else draft
     if proposals == "dflash":
         check_block_size(block_size, has_draft=True)
@@ -198,7 +217,8 @@ def check_block_size(block_size: int | str | None, *, has_draft: bool) -> None:
 
 
 def generate(target, draft, input_ids, **kwargs) -> GenerationResult:
-    """`stream()` run to the end; same arguments. Returns the tokens and the statistics."""
+    """`stream()` run to the end; same arguments. Returns the tokens and the statistics. (`flashdraft.generate`
+    also takes several prompts: `flashdraft.batching.generate`.)"""
     tokens = stream(target, draft, input_ids, **kwargs)
     for _ in tokens:
         pass
@@ -243,7 +263,7 @@ def _decode(
     draft_size = max(block_size, getattr(proposer, "block_size", None) or 0)
     if speculating:
         proposer.begin(max_positions + draft_size)
-    pick, accept = _rules(params, generator)  # greedy or sampled, chosen once
+    pick, accept = round_rules(params, generator)  # greedy or sampled, chosen once
     no_proposals = torch.empty(0, dtype=torch.long, device=target.device)
     no_q = None if params.greedy else torch.empty(0, target.vocab_size, device=target.device)
 
@@ -257,7 +277,7 @@ def _decode(
         proposer.observe(prompt[0].tolist() + [first])
     result.prefill_seconds = time.perf_counter() - began
     began, start = time.perf_counter(), prompt_length
-    emitted, going_on = _emit([first], result, stop_ids, max_new_tokens)
+    emitted, going_on = emit_tokens([first], result, stop_ids, max_new_tokens)
     yield emitted
     while going_on:
         # 2. Propose: up to size-1 target tokens after the anchor (none when size == 1), never more than the budget
@@ -290,13 +310,13 @@ def _decode(
         result.block_sizes.append(size)
         if controller:
             controller.observe(size, num_accepted)
-        emitted, going_on = _emit(new_tokens, result, stop_ids, max_new_tokens)
+        emitted, going_on = emit_tokens(new_tokens, result, stop_ids, max_new_tokens)
         result.accepted_by_source.update(sources[: len(emitted)])  # what a stop token cut off was not emitted
         result.decode_seconds = time.perf_counter() - began
         yield emitted
 
 
-def _rules(params: SamplingParams, generator: torch.Generator | None):
+def round_rules(params: SamplingParams, generator: torch.Generator | None):
     """The greedy or the sampled rules: (pick: [1, V] logits -> [1] token; accept: (proposals [B-1], q [B-1, V] or
     None, target logits [B, V]) -> (accepted, bonus) 0-d tensors, see `flashdraft.sampling`)."""
     if params.greedy:
@@ -315,7 +335,7 @@ def _take(pending: list[torch.Tensor]) -> torch.Tensor | None:
     return context
 
 
-def _emit(
+def emit_tokens(
     new_tokens: list[int], result: GenerationResult, stop_ids: frozenset[int], max_new_tokens: int
 ) -> tuple[list[int], bool]:
     """Append what may be emitted of a round's tokens: up to and including a stop token, within the budget.

@@ -168,6 +168,83 @@ class DraftCache:
         self.length = max(0, self.length + num_tokens) if num_tokens < 0 else self.length
 
 
+class RowDraftCache:
+    """The draft's context K/V for sequences of different lengths drafted together (`flashdraft.batching`): row r
+    holds its verified context at columns 0..lengths[r]-1, which are its positions. A pass over some rows writes
+    each row's [new context, padded to the pass's widest ; block] right after its context (`begin_pass`), and its
+    block queries see that row's context, its new context and its block, never the padding, another row or what an
+    earlier pass left past its length; `end_pass` keeps the new context and drops the rest, so rollback is again a
+    length. Rows join empty and leave as the batch's rows do (the last one takes the leaver's place)."""
+
+    def __init__(self, config: Qwen3Config, device=None, dtype=None):
+        if "sliding_attention" in config.layer_types and config.sliding_window is not None:
+            raise ValueError("a draft with sliding-window layers drafts one sequence at a time: decode the prompts "
+                             "one by one (flashdraft.generate with a single prompt), or use a full-attention draft")
+        self.shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        self.device, self.dtype = device, dtype
+        self.keys: torch.Tensor | None = None  # [layers, rows allocated, kv_heads, capacity, head_dim]
+        self.values: torch.Tensor | None = None
+        self.lengths: list[int] = []  # verified context positions per row
+        self._pass: tuple[torch.Tensor, torch.Tensor, int] | None = None  # rows [b', 1], columns [b', w], end
+
+    def add_row(self) -> None:
+        self.lengths.append(0)
+
+    def remove_row(self, row: int) -> None:
+        last = len(self.lengths) - 1
+        if row != last and self.keys is not None:
+            length = self.lengths[last]
+            self.keys[:, row, :, :length] = self.keys[:, last, :, :length]
+            self.values[:, row, :, :length] = self.values[:, last, :, :length]
+        self.lengths[row] = self.lengths[last]
+        self.lengths.pop()
+
+    def _reserve(self, rows: int, length: int) -> None:
+        allocated, capacity = (0, 0) if self.keys is None else (self.keys.shape[1], self.keys.shape[3])
+        if rows <= allocated and length <= capacity:
+            return
+        new_rows, new_capacity = max(allocated, 1), max(capacity, 256)
+        while new_rows < rows:
+            new_rows *= 2
+        while new_capacity < length:
+            new_capacity *= 2
+        layers, kv_heads, head_dim = self.shape
+        keys = torch.zeros(layers, new_rows, kv_heads, new_capacity, head_dim, device=self.device, dtype=self.dtype)
+        values = torch.zeros_like(keys)
+        if self.keys is not None:
+            keys[:, :allocated, :, :capacity] = self.keys
+            values[:, :allocated, :, :capacity] = self.values
+        self.keys, self.values = keys, values
+
+    def begin_pass(self, rows: list[int], widths: list[int], block_size: int) -> torch.Tensor:
+        """Place a pass over `rows` whose new contexts have `widths` positions (padded to the widest, then the
+        block). Returns its attention mask, bool [b', 1, block_size, end], True = visible."""
+        width = max(widths)
+        starts = torch.tensor([self.lengths[r] for r in rows], device=self.device)[:, None]  # [b', 1]
+        end = int(starts.max()) + width + block_size
+        self._reserve(len(self.lengths), end)
+        columns = starts + torch.arange(width + block_size, device=self.device)  # [b', w]
+        self._pass = torch.tensor(rows, device=self.device)[:, None], columns, end
+        keys = torch.arange(end, device=self.device)[None, :]  # [1, end]
+        context_end = starts + torch.tensor(widths, device=self.device)[:, None]
+        block_start = starts + width
+        visible = (keys < context_end) | ((keys >= block_start) & (keys < block_start + block_size))  # [b', end]
+        return visible[:, None, None, :].expand(-1, 1, block_size, -1)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the pass's key/value [b', hk, w, dh] at each row's columns; return the rows' keys/values so far."""
+        rows, columns, end = self._pass
+        self.keys[layer_idx].transpose(1, 2)[rows, columns] = key.transpose(1, 2)
+        self.values[layer_idx].transpose(1, 2)[rows, columns] = value.transpose(1, 2)
+        return self.keys[layer_idx][rows[:, 0], :, :end], self.values[layer_idx][rows[:, 0], :, :end]
+
+    def end_pass(self, rows: list[int], widths: list[int]) -> None:
+        """The new contexts stay; the padding and the block go."""
+        for row, width in zip(rows, widths):
+            self.lengths[row] += width
+        self._pass = None
+
+
 class DFlashDraftModel(PreTrainedModel):
     """A DFlash block-diffusion draft model (SPEC sections 1-2)."""
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from .adaptive import VerifyCosts
-from .draft import DFlashDraftModel, DraftCache
+from .draft import DFlashDraftModel, DraftCache, RowDraftCache
 from .lookup import ContextIndex
 from .sampling import SamplingParams, probabilities, sample
 from .target import TargetModel
@@ -146,6 +146,35 @@ class DFlashProposer:
         self.proposed = False
         return ["dflash"] * accepted
 
+    def new_row_cache(self) -> RowDraftCache:
+        """The draft's cache for sequences drafted together (`logits_rows`)."""
+        return RowDraftCache(self.draft.config, device=self.target.device, dtype=self.draft.dtype)
+
+    @torch.no_grad()
+    def logits_rows(
+        self, cache: RowDraftCache, rows: list[int], anchors: torch.Tensor, contexts: list[torch.Tensor],
+        starts: list[int], block_size: int, sizes: list[int],
+    ) -> list[torch.Tensor]:
+        """`logits` for several sequences in one draft pass: the rows `rows` of `cache`, their anchors [b'], new
+        contexts ([1, c_r, k*d] each, ending right before the anchor at `starts[r]`) and round sizes. Returns each
+        row's [sizes[r] - 1, V_draft] logits."""
+        widths = [context.shape[1] for context in contexts]
+        width, dtype, device = max(widths), self.draft.dtype, self.target.device
+        context = torch.zeros(len(rows), width, contexts[0].shape[-1], dtype=dtype, device=device)
+        for i, row_context in enumerate(contexts):  # right-padded: the mask hides the padding
+            context[i, : widths[i]] = row_context[0].to(dtype)
+        masks = torch.full((len(rows), block_size - 1), self.draft.mask_token_id, device=device)
+        block = torch.cat([anchors[:, None], masks], dim=1)  # [b', B]
+        first = torch.tensor([start - w for start, w in zip(starts, widths)], device=device)[:, None]
+        positions = torch.cat([first + torch.arange(width, device=device),  # the padding's: never seen
+                               torch.tensor(starts, device=device)[:, None] + torch.arange(block_size, device=device)],
+                              dim=1)  # [b', width + B]
+        mask = cache.begin_pass(rows, widths, block_size)
+        hidden = self.draft(self.target.embed(block).to(dtype), context, positions, cache, attention_mask=mask)
+        cache.end_pass(rows, widths)
+        used = torch.cat([hidden[i, 1:size] for i, size in enumerate(sizes)])  # the anchor's output is dropped
+        return list(self.head(used.to(self.head.weight.dtype)).split([size - 1 for size in sizes]))
+
 
 def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:
     """Fail fast, naming the mismatch, when a draft cannot serve this target."""
@@ -225,19 +254,24 @@ class HybridProposer:
 
     def __init__(
         self, target: TargetModel, dflash: DFlashProposer | None, max_size: int,
-        costs: tuple[VerifyCosts, float] | None = None,
+        costs: tuple[VerifyCosts, float] | None = None, lookup: bool = True,
     ):
         self.target = target
         self.dflash = dflash
         self.max_size = max_size  # the largest round, anchor included
-        self.costs = costs
+        self.costs = costs  # a batch sets the costs of its size before every round
+        self.lookup = lookup  # False: the draft alone (a batch's proposals="dflash")
         self.target_layer_ids = dflash.target_layer_ids if dflash else None
         self.block_size = dflash.block_size if dflash else None
-        self.begin(0)
+        self.reset()
 
     def begin(self, max_positions: int) -> None:
         if self.dflash:
             self.dflash.begin(max_positions)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new sequence: an empty index and fresh estimates (the draft's cache is `begin`'s, or a batch's)."""
         self.index = ContextIndex()
         self.pending: list[torch.Tensor] = []  # verified features the draft has not read yet
         positions = self.max_size - 1
@@ -250,18 +284,36 @@ class HybridProposer:
     @torch.no_grad()
     def propose(self, anchor, context, start, block_size, size, params=GREEDY, generator=None):
         """`Proposer.propose`: the plan's proposals, from the lookup, the draft or both."""
+        plan = self.prepare(context, size)
+        logits = self.dflash.logits(anchor, self.take_context(), start, block_size, plan.size) if plan.draft else None
+        return self.complete(logits, params, generator)
+
+    def prepare(self, context: torch.Tensor | None, size: int) -> Plan:
+        """A round's first half: keep the new context, plan the round. When the plan drafts, the caller runs the
+        draft on `take_context()` (a batch drafts all its rows in one pass) and hands the logits to `complete`."""
         if context is not None:
             self.pending.append(context)
-        continuation, n = self.index.continuation(size - 1)
+        continuation, n = self.index.continuation(size - 1) if self.lookup else ([], 0)
         plan = self.plan(continuation, n, size)
         self.round = (continuation, n, plan)
+        return plan
+
+    def take_context(self) -> torch.Tensor:
+        """The verified features the draft has not read yet, joined [1, c, k*d], and cleared."""
+        context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
+        self.pending.clear()
+        return context
+
+    def complete(self, draft_logits: torch.Tensor | None, params: SamplingParams, generator: torch.Generator | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A round's second half: the planned proposals and q, given the draft's [plan.size - 1, V_draft] logits
+        when the plan drafts."""
+        continuation, _, plan = self.round
         vocab_size = self.target.vocab_size
         proposals = torch.tensor(continuation[: plan.lookup], dtype=torch.long, device=self.target.device)
         q = None if params.greedy else lookup_q(proposals, vocab_size)
         if plan.draft:
-            context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
-            self.pending.clear()
-            logits = self.dflash.logits(anchor, context, start, block_size, plan.size)[plan.lookup :]
+            logits = draft_logits[plan.lookup :]
             drafted, draft_q = draft_tokens(logits, self.dflash.vocab_ids, params, generator, vocab_size)
             proposals = torch.cat([proposals, drafted])
             q = None if q is None else torch.cat([q, draft_q])

@@ -24,8 +24,44 @@ _ENGINE = "_flashdraft_engine"  # the model's engine, built by `TargetModel.engi
 Cache = DynamicCache | EngineCache
 
 
+class RowCache:
+    """The KV caches of sequences of different lengths decoded together (`flashdraft.batching`), one row each, in
+    the order of the batch's rows. On the engine, one `EngineCache` by position: a row's K/V sit at its tokens' own
+    positions, so no row is padded and rolling a row back costs nothing. On transformers' forward, one
+    `DynamicCache` per row, run row by row (exact, without the batch's speed)."""
+
+    def __init__(self, engine_cache: EngineCache | None):
+        self.engine_cache = engine_cache
+        self.caches: list[DynamicCache] = []  # transformers' forward only
+
+    def __len__(self) -> int:
+        return self.engine_cache.rows if self.engine_cache is not None else len(self.caches)
+
+    def add(self, cache: Cache) -> None:
+        """A sequence's own cache (its prefill, from `TargetModel.new_cache`) joins as the last row."""
+        if self.engine_cache is not None:
+            self.engine_cache.add_row(cache)
+        else:
+            self.caches.append(cache)
+
+    def remove(self, row: int) -> None:
+        """Row `row` leaves the batch; the last row takes its place (as the batch's own rows must)."""
+        if self.engine_cache is not None:
+            self.engine_cache.remove_row(row)
+        else:
+            self.caches[row] = self.caches[-1]
+            self.caches.pop()
+
+    def keep(self, lengths: Sequence[int]) -> None:
+        """Row r keeps its first `lengths[r]` positions (the rejected part of its verified block goes)."""
+        if self.engine_cache is None:
+            for cache, length in zip(self.caches, lengths):
+                TargetModel.rollback(cache, cache.get_seq_length() - length)
+
+
 class TargetModel:
-    """A causal LM wrapped for speculative decoding (batch size 1).
+    """A causal LM wrapped for speculative decoding: one sequence (`forward`), or several of different lengths
+    together (`forward_rows`).
 
     `engine`: "auto" runs flashdraft's engine where it can (Llama, Qwen2 and Qwen3 in float32 on CPU,
     `flashdraft.engine.unsupported_reason`) and transformers' forward elsewhere; "flashdraft" requires the engine
@@ -139,6 +175,29 @@ class TargetModel:
     def new_cache(self) -> Cache:
         engine = self.engine
         return engine.new_cache() if engine is not None else DynamicCache(config=self.model.config)
+
+    def new_row_cache(self) -> RowCache:
+        """An empty `RowCache`: sequences join it with their prefilled `new_cache()`."""
+        engine = self.engine
+        return RowCache(engine.new_cache(by_position=True) if engine is not None else None)
+
+    @torch.no_grad()
+    def forward_rows(
+        self,
+        input_ids: torch.Tensor,  # [b, n] one block per row
+        position_ids: torch.Tensor,  # [b, n] each row's own positions
+        cache: RowCache,
+        layer_ids: list[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One cached forward over every row of `cache`: logits [b, n, V] and, with `layer_ids`, features
+        [b, n, k*d] (as `forward`). Row r's block follows its cached positions; what it caches past the length
+        the caller then `keep`s is dropped."""
+        if cache.engine_cache is not None:
+            return getattr(self.model, _ENGINE).forward(input_ids, position_ids, cache.engine_cache, layer_ids)
+        outputs = [self.forward(input_ids[r : r + 1], position_ids[r : r + 1], row_cache, layer_ids)
+                   for r, row_cache in enumerate(cache.caches)]
+        features = torch.cat([f for _, f in outputs]) if layer_ids else None
+        return torch.cat([logits for logits, _ in outputs]), features
 
     @torch.no_grad()
     def forward(

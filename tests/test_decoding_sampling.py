@@ -5,6 +5,9 @@ flashdraft generations is compared with 20,000 draws of the target's own `genera
 two-sample chi-square test. The same test rejects a deliberately biased acceptance rule (one that tests
 sampled proposals as if they were the draft's argmax, ignoring q), which shows the tolerance is tight enough.
 
+Rows of a batch (`flashdraft.batching`) get the same test, with its negative control: every row of a batch follows
+the target's distribution, whatever the other rows do.
+
 Hybrid rounds (`flashdraft.proposals`) get the same test on a prompt that repeats itself, so the lookup finds
 continuations: every round takes a plan drawn at random among all it could take (lookup tokens only, lookup then
 draft, draft only, nothing), so each kind of round, one-hot and drawn q side by side, is covered. Its negative
@@ -153,6 +156,58 @@ def test_lookup_tokens_tested_as_if_drawn_from_a_flat_q_fail_the_same_test(hybri
                                                                                    1 / vocab_size))
     counts, _ = flashdraft_samples(target, draft, prompt=REPEATING_PROMPT, proposals="hybrid")
     assert chi_square_p_value(counts, reference) < 1e-6
+
+
+BATCH_SAMPLES = 10_000  # per prompt
+
+
+@pytest.fixture(scope="module")
+def batch_setup():
+    target, draft = target_and_draft()
+    references = {tuple(prompt): target_samples(target, BATCH_SAMPLES, prompt) for prompt in (PROMPT, REPEATING_PROMPT)}
+    return target, draft, references
+
+
+def batched_samples(target, draft, rows: int = 200) -> dict[tuple, Counter]:
+    """BATCH_SAMPLES sequences of each prompt decoded in batches of `rows` (`flashdraft.Batch`), the two prompts
+    (of different lengths) alternating, half of each batch joining it after its first round, a greedy row among
+    them (which must get the greedy tokens). Each sequence has its own seed."""
+    counts = {tuple(PROMPT): Counter(), tuple(REPEATING_PROMPT): Counter()}
+    greedy = flashdraft.generate(target, draft, PROMPT, max_new_tokens=4).tokens
+    seed = 0
+    for _ in range(2 * BATCH_SAMPLES // rows):
+        batch = flashdraft.Batch(target, draft, block_size=4, proposals="hybrid")
+        sequences = [(None, batch.add(PROMPT, max_new_tokens=4))]
+        for i in range(rows):
+            prompt = PROMPT if i % 2 else REPEATING_PROMPT
+            sequences.append((tuple(prompt), batch.add(prompt, max_new_tokens=4, seed=seed, **SETTINGS)))
+            seed += 1
+            if i == rows // 2:
+                batch.step()
+        while batch:
+            batch.step()
+        for prompt, sequence in sequences:
+            if prompt is None:
+                assert sequence.result.tokens == greedy
+            else:
+                counts[prompt][tuple(sequence.result.tokens[:3])] += 1
+    return counts
+
+
+def test_batched_sampling_follows_the_target_distribution_in_every_row(batch_setup, random_plans):
+    """Rows drafted together in one pass, next to rows with lookup rounds, plain rounds and a greedy row."""
+    target, draft, references = batch_setup
+    counts = batched_samples(target, draft)
+    assert min(random_plans.values()) > 0.05 * sum(random_plans.values()), random_plans
+    for prompt, reference in references.items():
+        assert chi_square_p_value(counts[prompt], reference) > 1e-4, prompt
+
+
+def test_a_biased_acceptance_rule_fails_the_batched_test(batch_setup, random_plans, monkeypatch):
+    target, draft, references = batch_setup
+    monkeypatch.setattr(decoding, "accept_sampled", biased_accept)
+    counts = batched_samples(target, draft)
+    assert chi_square_p_value(counts[tuple(PROMPT)], references[tuple(PROMPT)]) < 1e-6
 
 
 def test_seed_makes_sampling_reproducible():

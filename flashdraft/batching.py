@@ -1,0 +1,296 @@
+"""Continuous batching: several sequences decoded together, each exactly as it would be alone.
+
+A `Batch` holds sequences of different lengths, each with its own budget, stop tokens, sampling parameters and
+generator. `add` queues a prompt at any time; `step` runs one round over every sequence:
+
+1. Join: each queued sequence is prefilled alone (its own forward and cache, so its first token is the one it gets
+   alone) and its cache joins the batch's `RowCache` as a new row.
+2. Propose: each row's proposer (`HybridProposer`: the lookup, the draft or both) plans its round with the
+   target's verify costs measured at this batch size (`flashdraft.adaptive.BatchCosts`); the draft then drafts every
+   row whose plan drafts in one pass (`DFlashProposer.logits_rows`).
+3. Verify: one target forward over every row's block [anchor, proposals], each row at its own positions. Blocks
+   of different lengths are padded at their end to the longest: a row's padding comes after its real tokens, so
+   causal attention keeps it out of their logits, and its K/V lie past what the row keeps.
+4. Accept: each row by its own rule (`flashdraft.sampling`: the greedy prefix, or rejection sampling with its own
+   generator), with its own bonus token, stop tokens and budget (`flashdraft.decoding.emit_tokens`).
+5. Roll back: each row keeps its anchor and accepted proposals (`RowCache.keep`); a finished sequence leaves at
+   once (the last row takes its place), so a long answer never holds a short one back.
+
+Greedy rows give the tokens they give alone (up to float32 rounding of a batched product, as any block size);
+sampled rows follow the target's distribution exactly, as the rules are the single sequence's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from .adaptive import BatchCosts
+from .decoding import (
+    GenerationResult,
+    check_block_size,
+    checked_prompt,
+    emit_tokens,
+    new_generator,
+    proposal_mode,
+    round_rules,
+)
+from .decoding import (
+    generate as generate_one,
+)
+from .draft import DFlashDraftModel
+from .proposals import LOOKUP_BLOCK_SIZE, DFlashProposer, HybridProposer
+from .sampling import SamplingParams, check_seed
+from .target import TargetModel
+
+
+@dataclass(eq=False)  # a sequence is itself: a batch finds it by identity
+class BatchSequence:
+    """One sequence of a `Batch`: `result` fills in as it decodes (its own statistics: `prefill_seconds` is its
+    own prefill, `decode_seconds` runs from its first token to its latest round)."""
+
+    result: GenerationResult = field(default_factory=GenerationResult)
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.cancelled or self.result.stop_reason is not None
+
+
+@dataclass(eq=False)
+class _Row:
+    sequence: BatchSequence
+    prompt: torch.Tensor  # [1, P]
+    max_new_tokens: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    proposer: HybridProposer | None
+    pending: list[torch.Tensor] = field(default_factory=list)  # verified features its proposer has not read
+    anchor: int = 0  # the last emitted token, not yet in the target's cache, at position `start`
+    start: int = 0
+    began: float = 0.0  # when its first token was known
+
+    def __post_init__(self):
+        self.pick, self.accept = round_rules(self.params, self.generator)
+
+
+class Batch:
+    """Sequences decoded together (see the module docstring). `target`, `draft`, `block_size` and `proposals` mean
+    what they mean for `flashdraft.stream`, for every sequence of the batch; a draft must be a `DFlashDraftModel`
+    (a `Proposer` object decodes one sequence at a time, with `stream`). With `block_size="auto"` each row's
+    round is planned with the costs measured at the batch's size; "dflash" plans the draft's rounds the same way,
+    without the lookup."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel | TargetModel,
+        draft: DFlashDraftModel | None = None,
+        *,
+        block_size: int | str | None = "auto",
+        proposals: str | None = None,
+    ):
+        if draft is not None and not isinstance(draft, DFlashDraftModel):
+            raise ValueError("a batch drafts with a DFlashDraftModel; a proposer object decodes one sequence at a time "
+                             "(flashdraft.stream)")
+        self.target = target if isinstance(target, TargetModel) else TargetModel(target)
+        self.mode = proposal_mode(draft, proposals)
+        check_block_size(block_size, has_draft=self.mode is not None)
+        self.dflash = DFlashProposer(draft, self.target) if draft is not None and self.mode != "lookup" else None
+        native = self.dflash.block_size if self.dflash else LOOKUP_BLOCK_SIZE
+        if self.mode is None:
+            self.max_size = 1
+        else:
+            self.max_size = native if block_size in ("auto", None) else block_size
+        self.costs = None
+        if block_size == "auto" and self.max_size > 1:
+            self.costs = BatchCosts(self.target, self.dflash or HybridProposer(self.target, None, native), native)
+        # The draft drafts at its own block size, or the round's when larger (as `stream` does).
+        self.draft_size = max(self.max_size, native) if self.dflash else 0
+        self.layer_ids = self.dflash.target_layer_ids if self.dflash else None
+        self.cache = self.target.new_row_cache()
+        self.draft_cache = self.dflash.new_row_cache() if self.dflash else None
+        self.rows: list[_Row] = []  # in the order of the caches' rows
+        self.waiting: list[_Row] = []
+
+    def __len__(self) -> int:
+        """Sequences not finished yet: running and waiting to join."""
+        return len(self.rows) + len(self.waiting)
+
+    def add(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> BatchSequence:
+        """Queue a sequence (checked now); it joins at the next `step`. Arguments as in `flashdraft.stream`."""
+        params = SamplingParams(temperature, top_p, top_k)
+        check_seed(seed)
+        prompt = checked_prompt(input_ids, self.target, max_new_tokens)
+        proposer = None
+        if self.mode is not None and self.max_size > 1:
+            proposer = HybridProposer(self.target, self.dflash, self.max_size, lookup=self.mode != "dflash")
+        sequence = BatchSequence()
+        self.waiting.append(_Row(sequence, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()),
+                                 new_generator(params, seed, self.target.device), proposer))
+        return sequence
+
+    def cancel(self, sequence: BatchSequence) -> None:
+        """Stop a sequence: it leaves the batch at the next `step` (its row is freed before that step's round)."""
+        sequence.cancelled = True
+
+    def step(self) -> list[tuple[BatchSequence, list[int]]]:
+        """Queued sequences join (their first token), then one round over every running sequence. Returns the
+        tokens each sequence emitted in this step; a sequence that finished has left the batch."""
+        self._leave([i for i, row in enumerate(self.rows) if row.sequence.cancelled])
+        emitted = []
+        waiting, self.waiting = self.waiting, []
+        for row in waiting:
+            if not row.sequence.cancelled:
+                emitted.append((row.sequence, self._join(row)))
+        if self.rows:
+            emitted += self._round()
+        return emitted
+
+    def _join(self, row: _Row) -> list[int]:
+        """1. Prefill the row alone; it joins the batch unless its first token ends it."""
+        result = row.sequence.result
+        if row.max_new_tokens == 0:
+            result.stop_reason = "length"
+            return []
+        began = time.perf_counter()
+        cache = self.target.new_cache()
+        length = row.prompt.shape[1]
+        positions = torch.arange(length, device=self.target.device)[None]
+        logits, features = self.target.forward(row.prompt, positions, cache, self.layer_ids, logits_to_keep=1)
+        first = row.pick(logits[0]).item()
+        if row.proposer is not None:
+            row.proposer.observe(row.prompt[0].tolist() + [first])
+        if features is not None:
+            row.pending.append(features)
+        result.prefill_seconds = time.perf_counter() - began
+        row.anchor, row.start, row.began = first, length, time.perf_counter()
+        emitted, going_on = emit_tokens([first], result, row.stop_ids, row.max_new_tokens)
+        if going_on:
+            self.cache.add(cache)
+            if self.draft_cache is not None:
+                self.draft_cache.add_row()
+            self.rows.append(row)
+        return emitted
+
+    def _round(self) -> list[tuple[BatchSequence, list[int]]]:
+        rows, device = self.rows, self.target.device
+        # 2. Propose: each row plans its round; the draft drafts the rows that asked for it in one pass.
+        costs = self.costs.at(len(rows)) if self.costs is not None else None
+        plans = []
+        for row in rows:
+            size = min(self.max_size, row.max_new_tokens - len(row.sequence.result.tokens))
+            plan = None
+            if row.proposer is not None and size > 1:
+                row.proposer.costs = costs
+                plan = row.proposer.prepare(_take(row.pending), size)
+            plans.append(plan)
+        drafting = [i for i, plan in enumerate(plans) if plan is not None and plan.draft]
+        draft_logits = dict.fromkeys(range(len(rows)))
+        if drafting:
+            logits = self.dflash.logits_rows(
+                self.draft_cache, drafting, torch.tensor([rows[i].anchor for i in drafting], device=device),
+                [rows[i].proposer.take_context() for i in drafting], [rows[i].start for i in drafting],
+                self.draft_size, [plans[i].size for i in drafting],
+            )
+            draft_logits.update(zip(drafting, logits))
+        no_proposals = torch.empty(0, dtype=torch.long, device=device)
+        no_q = torch.empty(0, self.target.vocab_size, device=device)
+        proposed = [
+            row.proposer.complete(draft_logits[i], row.params, row.generator) if plans[i] is not None
+            else (no_proposals, None if row.params.greedy else no_q)
+            for i, row in enumerate(rows)
+        ]
+
+        # 3. Verify: one forward over every row's [anchor, proposals], padded at the end to the longest block.
+        width = 1 + max(len(proposals) for proposals, _ in proposed)
+        anchors = torch.tensor([row.anchor for row in rows], device=device)
+        block = anchors[:, None].repeat(1, width)  # [b, width]; the padding repeats the anchor (never seen)
+        for i, (proposals, _) in enumerate(proposed):
+            block[i, 1 : 1 + len(proposals)] = proposals
+        starts = torch.tensor([row.start for row in rows], device=device)
+        positions = starts[:, None] + torch.arange(width, device=device)
+        logits, features = self.target.forward_rows(block, positions, self.cache, self.layer_ids)
+
+        # 4. Accept: each row by its own rule; one host sync for the whole batch.
+        outcomes = []
+        for i, (row, (proposals, q)) in enumerate(zip(rows, proposed)):
+            accepted, bonus = row.accept(proposals, q, logits[i, : 1 + len(proposals)])
+            outcomes.append(torch.cat([accepted.view(1), bonus.view(1), proposals]))
+        values = torch.cat(outcomes).tolist()
+
+        # 5. Roll back each row to its accepted tokens; emit; finished rows leave.
+        emitted, finished, offset, now = [], [], 0, time.perf_counter()
+        for i, (row, (proposals, _)) in enumerate(zip(rows, proposed)):
+            num_accepted, bonus = values[offset], values[offset + 1]
+            new_tokens = values[offset + 2 : offset + 2 + num_accepted] + [bonus]
+            offset += 2 + len(proposals)
+            sources = row.proposer.observe(new_tokens) if row.proposer is not None else []
+            if features is not None:
+                row.pending.append(features[i : i + 1, : num_accepted + 1])
+            row.anchor, row.start = bonus, row.start + num_accepted + 1
+            result = row.sequence.result
+            result.acceptance_lengths.append(num_accepted + 1)
+            result.block_sizes.append(1 + len(proposals))
+            tokens, going_on = emit_tokens(new_tokens, result, row.stop_ids, row.max_new_tokens)
+            result.accepted_by_source.update(sources[: len(tokens)])
+            result.decode_seconds = now - row.began
+            emitted.append((row.sequence, tokens))
+            if not going_on:
+                finished.append(i)
+        self.cache.keep([row.start for row in rows])
+        self._leave(finished)
+        return emitted
+
+    def _leave(self, indices: list[int]) -> None:
+        """Rows leave, the highest index first: each time the last row takes the leaver's place, in every cache."""
+        for i in sorted(indices, reverse=True):
+            self.cache.remove(i)
+            if self.draft_cache is not None:
+                self.draft_cache.remove_row(i)
+            self.rows[i] = self.rows[-1]
+            self.rows.pop()
+
+
+def _take(pending: list[torch.Tensor]) -> torch.Tensor | None:
+    context = torch.cat(pending, dim=1) if len(pending) > 1 else (pending[0] if pending else None)
+    pending.clear()
+    return context
+
+
+def is_batch(input_ids) -> bool:
+    """Whether `input_ids` holds several prompts: a list (or tuple) of sequences, or a 2-D tensor of more than one
+    row."""
+    if isinstance(input_ids, torch.Tensor):
+        return input_ids.dim() == 2 and input_ids.shape[0] > 1
+    return isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and not isinstance(input_ids[0], int)
+
+
+def generate(target, draft, input_ids, **kwargs) -> GenerationResult | list[GenerationResult]:
+    """`flashdraft.generate`: one prompt (token ids, or a [1, P] tensor) -> its `GenerationResult`, as
+    `flashdraft.decoding.generate`; several prompts (a list of token-id lists or 1-D tensors, of any lengths, or a
+    [b, P] tensor of equal-length prompts, no padding) -> one `GenerationResult` per prompt, in order, decoded
+    together in a `Batch`. Each prompt is decoded with the same arguments as it would be alone, `seed` included.
+    Keyword arguments as in `flashdraft.stream`."""
+    if not is_batch(input_ids):
+        return generate_one(target, draft, input_ids, **kwargs)
+    batch_options = {key: kwargs.pop(key) for key in ("block_size", "proposals") if key in kwargs}
+    batch = Batch(target, draft, **batch_options)
+    sequences = [batch.add(prompt, **kwargs) for prompt in input_ids]
+    while batch:
+        batch.step()
+    return [sequence.result for sequence in sequences]

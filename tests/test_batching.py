@@ -1,0 +1,162 @@
+"""Continuous batching (`flashdraft.batching`): every sequence of a batch gets exactly the tokens it gets alone,
+whatever joins or leaves around it. (Sampling in a batch: tests/test_decoding_sampling.py.)"""
+
+import random
+
+import pytest
+import torch
+
+import flashdraft
+from flashdraft import TargetModel
+from flashdraft.batching import Batch, is_batch
+from flashdraft.decoding import generate as generate_alone
+
+from tiny import ARCHITECTURES, greedy_reference, tiny_draft, tiny_target
+
+MASK = 1
+STOP = 7
+TARGETS = {arch: tiny_target(arch, seed=10 + i, forbid_token=MASK) for i, arch in enumerate(ARCHITECTURES)}
+DRAFTS = {arch: tiny_draft(t, block_size=8, mask_token_id=MASK) for arch, t in TARGETS.items()}
+# (proposals, block size): every kind of round a batch can plan
+MODES = [("hybrid", "auto"), ("hybrid", 8), ("dflash", "auto"), ("dflash", 5), ("lookup", "auto"), ("lookup", 6),
+         (None, 1)]
+
+
+def random_prompts(rng: random.Random, count: int) -> list[list[int]]:
+    """Prompts of very different lengths, some repeating themselves (so the lookup proposes)."""
+    prompts = []
+    for _ in range(count):
+        prompt = [rng.randrange(2, 96) for _ in range(rng.randint(1, 40))]
+        if rng.random() < 0.3:
+            prompt = prompt * 3
+        prompts.append(prompt)
+    return prompts
+
+
+@pytest.mark.parametrize("engine", ["auto", "transformers"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: f"{mode[0]}-{mode[1]}")
+def test_every_row_of_a_batch_gets_its_own_greedy_tokens(arch, engine, mode):
+    """Rows of different lengths, budgets (0 included) and stop tokens, on the engine (by position) and on
+    transformers' forward (row by row): each equals the sequence decoded alone."""
+    proposals, block_size = mode
+    rng = random.Random(f"{arch} {engine} {mode}")  # a string seeds the same in every process
+    target = TargetModel(TARGETS[arch], engine=engine)
+    draft = DRAFTS[arch] if proposals in ("hybrid", "dflash") else None
+    batch = Batch(target, draft, block_size=block_size, proposals=proposals)
+    cases = []
+    for prompt in random_prompts(rng, 6):
+        options = dict(max_new_tokens=rng.choice([0, 1, rng.randint(2, 48), 48]),
+                       stop_token_ids=rng.choice([None, [STOP], [STOP, 9]]))
+        cases.append((prompt, options, batch.add(prompt, **options)))
+    while batch:
+        batch.step()
+    for prompt, options, sequence in cases:
+        alone = generate_alone(target, draft, prompt, block_size=block_size, proposals=proposals, **options)
+        assert sequence.result.tokens == alone.tokens
+        assert sequence.result.stop_reason == alone.stop_reason
+        assert MASK not in sequence.result.tokens
+    prompt, options, sequence = cases[0]
+    assert sequence.result.tokens == greedy_reference(TARGETS[arch], prompt, options["max_new_tokens"],
+                                                      options["stop_token_ids"])
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_sequences_join_and_leave_between_rounds(arch):
+    """Continuous batching: sequences are added while others run, some are cancelled mid-way (their rows freed at
+    the next step), a short answer leaves before a long one; every finished one is exact."""
+    rng = random.Random(7)
+    target, draft = TARGETS[arch], DRAFTS[arch]
+    batch = Batch(target, draft)
+    live, cancelled, done = [], [], []
+    prompts = random_prompts(rng, 14)
+    step = 0
+    while prompts or batch:
+        if prompts and step % 2 == 0:
+            for _ in range(rng.randint(1, 3)):
+                if prompts:
+                    prompt, budget = prompts.pop(), rng.randint(1, 40)
+                    live.append((prompt, budget, batch.add(prompt, max_new_tokens=budget)))
+        if step == 3:
+            victim = live[0][2]
+            batch.cancel(victim)
+            cancelled.append(victim)
+        emitted = batch.step()
+        assert all(not sequence.cancelled for sequence, _ in emitted)
+        assert len(batch.rows) <= 14
+        done += [entry for entry in live if entry[2].finished]
+        live = [entry for entry in live if not entry[2].finished]
+        step += 1
+    assert all(sequence.finished for _, _, sequence in done)
+    assert cancelled[0].result.stop_reason is None
+    for prompt, budget, sequence in done:
+        if sequence in cancelled:
+            continue
+        assert sequence.result.tokens == generate_alone(target, draft, prompt, max_new_tokens=budget).tokens
+
+
+def test_a_long_answer_does_not_hold_a_short_one_back():
+    target = TARGETS["llama"]
+    batch = Batch(target, None, proposals="lookup")
+    long, short = batch.add([5, 6, 7], max_new_tokens=60), batch.add([8, 9], max_new_tokens=3)
+    rounds = 0
+    while not short.finished:
+        batch.step()
+        rounds += 1
+    assert rounds <= 3 and not long.finished and len(batch.rows) == 1
+    assert short.result.stop_reason == "length" and len(short.result.tokens) == 3
+
+
+def test_generate_takes_a_list_of_prompts_and_returns_one_result_each():
+    target, draft = TARGETS["qwen3"], DRAFTS["qwen3"]
+    prompts = [[5, 6, 7, 8], [9], [10, 11, 10, 11, 10, 11]]
+    results = flashdraft.generate(target, draft, prompts, max_new_tokens=20, stop_token_ids=[STOP])
+    assert isinstance(results, list) and len(results) == 3
+    for prompt, result in zip(prompts, results):
+        alone = flashdraft.generate(target, draft, prompt, max_new_tokens=20, stop_token_ids=[STOP])
+        assert isinstance(alone, flashdraft.GenerationResult)
+        assert result.tokens == alone.tokens
+        assert result.prefill_seconds > 0 and len(result.acceptance_lengths) >= 1
+    # a [b, P] tensor is b prompts of equal length; a [1, P] tensor or a flat list is one
+    as_tensor = flashdraft.generate(target, draft, torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=8)
+    assert [r.tokens for r in as_tensor] == [r.tokens for r in flashdraft.generate(
+        target, draft, [[5, 6, 7], [8, 9, 10]], max_new_tokens=8)]
+    assert not is_batch(torch.tensor([[5, 6, 7]])) and not is_batch([5, 6, 7]) and is_batch([[5], [6]])
+
+
+def test_bad_input_in_a_batch_fails_before_anything_runs():
+    target = TARGETS["llama"]
+    with pytest.raises(ValueError, match="vocabulary"):
+        flashdraft.generate(target, None, [[5, 6], [500]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        flashdraft.generate(target, None, [[5, 6], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Batch(target).add([5], max_new_tokens=-1)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        Batch(target, object())
+    with pytest.raises(ValueError, match="needs a draft"):
+        Batch(target, None, proposals="hybrid")
+
+
+def test_a_batch_plans_with_the_costs_measured_at_its_size(monkeypatch):
+    """block_size="auto": the rows' proposers get the verify costs of the batch's size each round, interpolated
+    between the powers of two measured."""
+    target, draft = TARGETS["llama"], DRAFTS["llama"]
+    batch = Batch(target, draft)
+    seen = []
+    original = batch.costs.at
+
+    def at(batch_size):
+        seen.append(batch_size)
+        return original(batch_size)
+
+    monkeypatch.setattr(batch.costs, "at", at)
+    for prompt in ([5, 6, 7], [8, 9], [10], [11, 12]):
+        batch.add(prompt, max_new_tokens=6)
+    batch.step()
+    assert seen == [4] and all(row.proposer.costs == original(4) for row in batch.rows)
+    three = original(3)
+    two, four = original(2), original(4)
+    for n in three[0].seconds:
+        low, high = sorted((two[0].seconds[n], four[0].seconds[n]))
+        assert low <= three[0].seconds[n] <= high
