@@ -9,8 +9,9 @@ So the engine
   query attention without copies;
 - keeps the KV cache in preallocated tensors where rolling back a rejected block is a length (`EngineCache`);
 - computes every projection through the kernel measured fastest for its weight and number of rows on this
-  machine (`KernelChoice`: torch's `F.linear`, the same product transposed, or numpy's BLAS), measured once and
-  cached on disk like the verify costs.
+  machine (`KernelChoice`: torch's `F.linear`, the same product transposed, numpy's BLAS, or flashdraft's own
+  native kernel where a C compiler builds it, `native.py`), measured once and cached on disk like the verify
+  costs.
 Every path is exact up to float32 rounding: logits match transformers' within float32 tolerance and greedy outputs
 are the same (tests/test_engine.py).
 """
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from threadpoolctl import ThreadpoolController
 from torch import nn
 
+from . import native
 from .files import write_atomic
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -61,9 +63,30 @@ def _numpy_transposed(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarr
     return torch.from_numpy(weight_np @ x.numpy().T).T
 
 
+def _native(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+    # flashdraft's own kernel: reads each weight once, so 2 to 4 rows cost what one does (csrc/small_gemm.c).
+    return native.small_gemm(x, weight)
+
+
 PRODUCTS: dict[str, ProductFn] = {
-    "torch": _torch, "torch-t": _torch_transposed, "numpy": _numpy, "numpy-t": _numpy_transposed,
+    "torch": _torch, "torch-t": _torch_transposed, "numpy": _numpy, "numpy-t": _numpy_transposed, "native": _native,
 }
+
+
+def available_products() -> dict[str, ProductFn]:
+    """The products this machine offers: the native kernel only where it compiles (`native.unavailable_reason`)."""
+    return {name: product for name, product in PRODUCTS.items() if name != "native" or native.available()}
+
+
+def _aligned(parameter: nn.Parameter) -> torch.Tensor:
+    """The parameter's weight, its storage first moved to a 64-byte boundary (a cache line) if not there already:
+    weights loaded from a checkpoint may sit anywhere, and rows that straddle cache lines cost the native kernel
+    split loads (BENCHMARKS.md, "CPU engine"). The Parameter object stays, so tied weights (embedding and head) and
+    the model's own forward follow it."""
+    if parameter.data_ptr() % 64:
+        with torch.no_grad():
+            parameter.data = parameter.data.clone()
+    return parameter.detach()
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -232,6 +255,7 @@ class KernelLinear(nn.Linear):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
+        _aligned(linear.weight)
         new.weight, new.bias = linear.weight, linear.bias
         new.kind, new.kernels = kind, kernels
         new._array, new._array_of = None, None
@@ -274,9 +298,9 @@ class Engine:
         self.eps = config.rms_norm_eps
         self.dtype = torch.float32
         base = model.base_model
+        self.head_weight = _aligned(model.get_output_embeddings().weight)
         self.embed = model.get_input_embeddings().weight
         self.norm = base.norm.weight
-        self.head_weight = model.get_output_embeddings().weight.detach()
         self.rotary = base.rotary_emb
         self.layers = [self._layer(layer) for layer in base.layers]
         self.numpy = {id(w): w.detach().numpy() for w in self._weights()}
@@ -320,10 +344,10 @@ class Engine:
             qkv_bias=qkv_bias,
             q_norm=q_norm.weight.detach() if q_norm is not None else None,
             k_norm=k_norm.weight.detach() if k_norm is not None else None,
-            o=attention.o_proj.weight.detach(),
+            o=_aligned(attention.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=self._fuse((mlp.gate_proj, mlp.up_proj)),
-            down=mlp.down_proj.weight.detach(),
+            down=_aligned(mlp.down_proj.weight),
         )
 
     def _weights(self) -> list[torch.Tensor]:
@@ -481,6 +505,7 @@ def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], 
     engine.kernels = KernelChoice({})
     engine.forward(ids[:, :context], positions[:, :context], cache, logits_to_keep=1)
     table: dict[str, dict[int, str]] = {kind: {} for kind in weights}
+    products = available_products()
     for rows in KERNEL_ROWS:
         if progress:
             progress(rows)
@@ -488,10 +513,11 @@ def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], 
         for kind, kind_weights in weights.items():
             x = torch.randn(rows, kind_weights[0].shape[1])
             seconds = interleaved_seconds(
-                {name: partial(_products, PRODUCTS[name], x, kind_weights, engine.numpy) for name in PRODUCTS}, repeats
+                {name: partial(_products, product, x, kind_weights, engine.numpy) for name, product in products.items()},
+                repeats,
             )
             alone[kind] = min(seconds, key=seconds.__getitem__)
-        candidates = [alone] + [dict.fromkeys(weights, name) for name in PRODUCTS]
+        candidates = [alone] + [dict.fromkeys(weights, name) for name in products]
         window = slice(context, context + rows)
         seconds = interleaved_seconds(
             {i: partial(_forward_with, engine, {kind: {rows: name} for kind, name in candidate.items()},
@@ -545,6 +571,7 @@ def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
             "environment": {name: os.environ.get(name) for name in THREADING_VARIABLES},
             "torch": torch.__version__,
             "numpy": np.__version__,
+            "native": native.build_identity(),
         },
         sort_keys=True,
     )
@@ -553,7 +580,7 @@ def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
         try:
             table = {kind: {int(m): name for m, name in by_rows.items()}
                      for kind, by_rows in json.loads(path.read_text()).items()}
-            if all(name in PRODUCTS for by_rows in table.values() for name in by_rows.values()):
+            if all(name in available_products() for by_rows in table.values() for name in by_rows.values()):
                 return KernelChoice(table)
         except (ValueError, AttributeError):
             pass  # a damaged file is measured again and replaced

@@ -1,0 +1,154 @@
+"""flashdraft's native matrix product (flashdraft/native.py, csrc/small_gemm.c): exact, row-independent, and
+absent cleanly where it cannot be built."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashdraft import native
+from flashdraft.engine import Engine, KernelChoice, KernelLinear, available_products
+
+requires_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
+
+
+@pytest.fixture
+def rebuilt(monkeypatch):
+    """native's build forgotten before and after the test, so that environment changes take effect and leave no
+    trace."""
+    native._build.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    native._build.cache_clear()
+
+
+def test_it_builds_wherever_a_c_compiler_is_installed():
+    # The engine's speed on CPU rests on it: where cc exists (CI, a developer's machine) it must build, not be
+    # quietly skipped by every test below.
+    if native._compiler() is None:
+        assert "no C compiler" in native.unavailable_reason()
+    else:
+        assert native.available(), native.unavailable_reason()
+
+
+@requires_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16, 33])
+@pytest.mark.parametrize("outputs, inputs", [(64, 576), (7, 19), (13, 48), (4, 5)])
+def test_matches_torch_for_every_shape(rows, outputs, inputs):
+    generator = torch.Generator().manual_seed(rows * 1000 + outputs + inputs)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight = torch.randn(outputs, inputs, generator=generator)
+    expected = F.linear(x.double(), weight.double())
+    got = native.small_gemm(x, weight)
+    assert got.shape == (rows, outputs) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * inputs ** 0.5)
+
+
+@requires_native
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 100, generator=generator)
+    x = torch.randn(9, 100, generator=generator)
+    together = native.small_gemm(x, weight)
+    for row in range(9):
+        assert torch.equal(native.small_gemm(x[row : row + 1], weight)[0], together[row])
+    assert torch.equal(native.small_gemm(x[3:7], weight), together[3:7])
+
+
+@requires_native
+def test_weights_anywhere_in_memory_give_the_same_result():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 64, generator=generator)
+    shifted = torch.empty(40 * 64 + 3)[3:].view(40, 64)  # rows off every 64-byte boundary
+    shifted.copy_(weight)
+    x = torch.randn(4, 64, generator=generator)
+    assert shifted.data_ptr() % 64
+    assert torch.equal(native.small_gemm(x, shifted), native.small_gemm(x, weight))
+    assert torch.equal(native.small_gemm(x.t().contiguous().t(), weight), native.small_gemm(x, weight))
+
+
+@requires_native
+def test_bad_inputs_are_refused_with_the_reason():
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="float32"):
+        native.small_gemm(x.double(), weight)
+    with pytest.raises(ValueError, match=r"\[M, K\] by \[N, K\]\^T, not \(2, 8\) by \(4, 9\)"):
+        native.small_gemm(x, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.small_gemm(x, torch.randn(8, 4).t())
+
+
+@requires_native
+def test_the_library_is_built_once_per_machine_and_reused(rebuilt, tmp_path):
+    rebuilt.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    assert native.available()
+    built = list((tmp_path / "native").glob("small_gemm-*.so"))
+    assert len(built) == 1 and built[0].name == f"small_gemm-{native.build_identity()}.so"
+    stamp = built[0].stat().st_mtime_ns
+    native._build.cache_clear()
+    assert native.available() and built[0].stat().st_mtime_ns == stamp
+    assert list((tmp_path / "native").iterdir()) == built  # no scratch left behind
+
+
+def test_turned_off_or_without_a_compiler_it_is_not_offered(rebuilt, tmp_path):
+    rebuilt.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    rebuilt.setenv("FLASHDRAFT_NATIVE", "0")
+    assert not native.available() and "FLASHDRAFT_NATIVE=0" in native.unavailable_reason()
+    assert "native" not in available_products() and "torch" in available_products()
+    with pytest.raises(RuntimeError, match="unavailable: turned off"):
+        native.small_gemm(torch.randn(1, 4), torch.randn(2, 4))
+    native._build.cache_clear()
+    rebuilt.delenv("FLASHDRAFT_NATIVE")
+    rebuilt.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert not native.available() and "no C compiler found" in native.unavailable_reason()
+    assert native.build_identity() is None
+
+
+def test_a_failing_compiler_is_reported_not_raised(rebuilt, tmp_path):
+    compiler = tmp_path / "broken-cc"
+    compiler.write_text("#!/bin/sh\necho 'broken-cc 1.0'\n[ \"$1\" = --version ] && exit 0\necho 'error: no way' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    rebuilt.setenv("FLASHDRAFT_HOME", str(tmp_path / "home"))
+    rebuilt.setenv("CC", str(compiler))
+    assert not native.available()
+    assert native.unavailable_reason() == f"compiling small_gemm.c with {compiler} failed: error: no way"
+    assert not list((tmp_path / "home" / "native").glob("*.so"))
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_the_engine_moves_misaligned_weights_to_cache_lines_without_changing_the_model():
+    model = _tiny_llama()
+    ids = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for parameter in (model.model.layers[0].mlp.down_proj.weight, model.lm_head.weight):
+            shifted = torch.empty(parameter.numel() + 1)[1:].view_as(parameter)
+            shifted.copy_(parameter)
+            parameter.data = shifted
+    assert model.lm_head.weight.data_ptr() % 64
+    engine = Engine(model)
+    assert engine.head_weight.data_ptr() % 64 == 0 and engine.layers[0].down.data_ptr() % 64 == 0
+    assert model.get_input_embeddings().weight is model.lm_head.weight  # still tied
+    assert engine.matches(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+
+
+@requires_native
+def test_a_draft_projection_on_the_native_kernel_equals_nn_linear():
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 20, bias=True)
+    choice = KernelChoice({"down": {1: "native", 4: "native", 8: "native"}})
+    accelerated = KernelLinear.replacing(linear, "down", choice)
+    x = torch.randn(2, 3, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(accelerated(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert accelerated.kernels.product("down", 6).__name__ == "_native"
