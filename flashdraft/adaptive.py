@@ -159,6 +159,8 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "proposer": type(proposer).__name__,
             "draft": draft.config.to_json_string(use_diff=False) if draft is not None else None,
             "engine": target.engine_name,
+            # The engine's kernel choice decides its costs: a new kernel (or a new measurement) prices anew.
+            "kernels": target.engine.kernels.table if target.engine is not None else None,
             "dtype": str(target.dtype),
             "device": str(target.device),
             "threads": torch.get_num_threads(),
