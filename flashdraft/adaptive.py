@@ -119,35 +119,11 @@ def measure_batch_verify_costs(
     return VerifyCosts(seconds)
 
 
-def measure_batch_draft_seconds(proposer, target: TargetModel, block_size: int, batch_size: int,
-                                context_length: int = 128, repeats: int = 3) -> float:
-    """One drafting pass over `batch_size` sequences (`DFlashProposer.logits_rows`); 0 for a proposer without a
-    draft (the lookup costs nothing next to a forward)."""
-    if not hasattr(proposer, "logits_rows"):
-        return 0.0
-    width = len(proposer.target_layer_ids) * target.hidden_size
-    contexts = [torch.randn(1, context_length, width, device=target.device, dtype=target.dtype)] * batch_size
-    anchors = torch.zeros(batch_size, dtype=torch.long, device=target.device)
-    rows = list(range(batch_size))
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        cache = proposer.new_row_cache()
-        for _ in rows:
-            cache.add_row()
-        synchronize(target.device)
-        began = time.perf_counter()
-        proposer.logits_rows(cache, rows, anchors, contexts, [context_length] * batch_size, block_size,
-                             [block_size] * batch_size)
-        synchronize(target.device)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[1:])
-
-
 def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int = 1) -> tuple[VerifyCosts, float]:
     """The target's verify costs up to `max_size` and the proposer's drafting time, measured once per model,
     draft, dtype, device, thread count and batch size, then read from disk. Measured, not tracked online, so that
     the block sizes chosen (and with them a seeded sampling run's output) do not depend on the machine's load of
-    the day. Costs at a batch size above 1 are those of the whole batch's forward (`measure_batch_verify_costs`)."""
+    the day. At a batch size above 1, the whole batch's verify costs (`measure_batch_verify_costs`) no draft time."""
     from .models import cache_home
 
     draft = getattr(proposer, "draft", None)
@@ -174,9 +150,8 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
     if path.is_file():
         saved = json.loads(path.read_text())
         return VerifyCosts({int(n): s for n, s in saved["verify"].items()}), saved["draft"]
-    if batch_size > 1:
-        costs = measure_batch_verify_costs(target, max_size, batch_size)
-        draft_seconds = measure_batch_draft_seconds(proposer, target, max_size, batch_size)
+    if batch_size > 1:  # the batch's verify costs only: a row's draft pass is priced alone (`BatchCosts`)
+        costs, draft_seconds = measure_batch_verify_costs(target, max_size, batch_size), 0.0
     else:
         costs = measure_verify_costs(target, max_size)
         draft_seconds = measure_draft_seconds(proposer, target, max_size)
@@ -186,32 +161,43 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
 
 
 class BatchCosts:
-    """A batch's round costs at any batch size: `cached_costs` at powers of two (each measured on first need, then
-    kept on disk), interpolated between them, so that a batch of b rows plans with what b rows cost."""
+    """What one row of a batch of b pays for a round, for its proposer's plan (`HybridProposer.plan`).
+
+    The batch verifies one block length for all its rows, so a row that widens the block widens it for all: its
+    round of s tokens costs its share of the batch's one-token forward, T_b(1) / b, plus the whole widening,
+    T_b(s) - T_b(1), and its draft pass the pass of one row. At b = 1 these are the single sequence's costs. (A
+    row prices its widening as if it alone widened: when several do, it was cheaper than priced, which keeps the
+    batch on the safe side of speculating.) T_b is measured once per machine at powers of two (each on first
+    need, then kept on disk) and interpolated between them."""
 
     def __init__(self, target: TargetModel, proposer, max_size: int):
-        self.target, self.proposer, self.max_size = target, proposer, max_size
-        self.measured: dict[int, tuple[VerifyCosts, float]] = {}
-        self.interpolated: dict[int, tuple[VerifyCosts, float]] = {}
+        self.target, self.max_size = target, max_size
+        self.single = cached_costs(target, proposer, max_size)
+        self.measured: dict[int, VerifyCosts] = {1: self.single[0]}
+        self.rows: dict[int, tuple[VerifyCosts, float]] = {}
 
-    def _measured(self, batch_size: int) -> tuple[VerifyCosts, float]:
+    def batch_costs(self, batch_size: int) -> VerifyCosts:
+        """T_b: the whole batch's forward over n tokens per row, by n."""
         if batch_size not in self.measured:
-            self.measured[batch_size] = cached_costs(self.target, self.proposer, self.max_size, batch_size)
+            low = 1 << (batch_size.bit_length() - 1)
+            if low == batch_size:
+                self.measured[batch_size] = cached_costs(self.target, None, self.max_size, batch_size)[0]
+            else:
+                low_costs, high_costs = self.batch_costs(low), self.batch_costs(2 * low)
+                share = (batch_size - low) / low
+                self.measured[batch_size] = VerifyCosts({
+                    n: seconds + share * (high_costs.seconds[n] - seconds) for n, seconds in low_costs.seconds.items()
+                })
         return self.measured[batch_size]
 
     def at(self, batch_size: int) -> tuple[VerifyCosts, float]:
-        """(verify costs, draft seconds) of a round over `batch_size` rows."""
-        if batch_size not in self.interpolated:
-            low = 1 << (batch_size.bit_length() - 1)
-            if low == batch_size:
-                self.interpolated[batch_size] = self._measured(batch_size)
-            else:
-                (low_costs, low_draft), (high_costs, high_draft) = self._measured(low), self._measured(2 * low)
-                share = (batch_size - low) / low
-                verify = VerifyCosts({n: seconds + share * (high_costs.seconds[n] - seconds)
-                                      for n, seconds in low_costs.seconds.items()})
-                self.interpolated[batch_size] = verify, low_draft + share * (high_draft - low_draft)
-        return self.interpolated[batch_size]
+        """(a row's verify costs, its draft pass) in a batch of `batch_size` rows."""
+        if batch_size not in self.rows:
+            whole = self.batch_costs(batch_size)
+            base = whole(1)
+            row = VerifyCosts({n: base / batch_size + max(seconds - base, 0.0) for n, seconds in whole.seconds.items()})
+            self.rows[batch_size] = row, self.single[1]
+        return self.rows[batch_size]
 
 
 class BlockSizeController:

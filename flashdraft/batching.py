@@ -138,7 +138,8 @@ class Batch:
         prompt = checked_prompt(input_ids, self.target, max_new_tokens)
         proposer = None
         if self.mode is not None and self.max_size > 1:
-            proposer = HybridProposer(self.target, self.dflash, self.max_size, lookup=self.mode != "dflash")
+            proposer = HybridProposer(self.target, self.dflash, self.max_size, lookup=self.mode != "dflash",
+                                      full_first_probe=False)
         sequence = BatchSequence()
         self.waiting.append(_Row(sequence, prompt, max_new_tokens, params, frozenset(stop_token_ids or ()),
                                  new_generator(params, seed, self.target.device), proposer))

@@ -254,13 +254,15 @@ class HybridProposer:
 
     def __init__(
         self, target: TargetModel, dflash: DFlashProposer | None, max_size: int,
-        costs: tuple[VerifyCosts, float] | None = None, lookup: bool = True,
+        costs: tuple[VerifyCosts, float] | None = None, lookup: bool = True, full_first_probe: bool = True,
     ):
         self.target = target
         self.dflash = dflash
         self.max_size = max_size  # the largest round, anchor included
         self.costs = costs  # a batch sets the costs of its size before every round
         self.lookup = lookup  # False: the draft alone (a batch's proposals="dflash")
+        # A batch probes the draft first with its best round, not the whole block: a row's block widens every row's.
+        self.full_first_probe = full_first_probe
         self.target_layer_ids = dflash.target_layer_ids if dflash else None
         self.block_size = dflash.block_size if dflash else None
         self.reset()
@@ -342,11 +344,14 @@ class HybridProposer:
             self.rounds_without_draft, self.probe_interval = 0, FIRST_PROBE_INTERVAL
             return plan
         # The draft's estimate only changes in rounds that run it: probe it now and then, less often while it
-        # does not pay. Before it was ever observed, over the whole block (every position is scored); later, the
-        # best round that runs it, which costs little more than the best round.
+        # does not pay. Before it was ever observed, over the whole block (every position is scored; in a batch,
+        # see `full_first_probe`, as later); later, the best round that runs it, which costs little more than the
+        # best round.
         self.rounds_without_draft += 1
-        if not self.draft_observed:
+        if not self.draft_observed and self.full_first_probe:
             return Plan(0, size, True)
+        if not self.draft_observed:
+            self.rounds_without_draft = self.probe_interval
         if self.rounds_without_draft < self.probe_interval:
             return plan
         self.rounds_without_draft = 0

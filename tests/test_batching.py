@@ -139,8 +139,8 @@ def test_bad_input_in_a_batch_fails_before_anything_runs():
 
 
 def test_a_batch_plans_with_the_costs_measured_at_its_size(monkeypatch):
-    """block_size="auto": the rows' proposers get the verify costs of the batch's size each round, interpolated
-    between the powers of two measured."""
+    """block_size="auto": the rows' proposers get a row's share of the costs of the batch's size each round, the
+    batch's costs interpolated between the powers of two measured; at batch size 1, the single sequence's."""
     target, draft = TARGETS["llama"], DRAFTS["llama"]
     batch = Batch(target, draft)
     seen = []
@@ -155,8 +155,12 @@ def test_a_batch_plans_with_the_costs_measured_at_its_size(monkeypatch):
         batch.add(prompt, max_new_tokens=6)
     batch.step()
     assert seen == [4] and all(row.proposer.costs == original(4) for row in batch.rows)
-    three = original(3)
-    two, four = original(2), original(4)
-    for n in three[0].seconds:
-        low, high = sorted((two[0].seconds[n], four[0].seconds[n]))
-        assert low <= three[0].seconds[n] <= high
+    assert original(1) == batch.costs.single
+    whole, (row, draft_seconds) = batch.costs.batch_costs(4), original(4)
+    assert row(1) == pytest.approx(whole(1) / 4)
+    assert row(3) == pytest.approx(whole(1) / 4 + max(whole(3) - whole(1), 0.0))
+    assert draft_seconds == batch.costs.single[1]
+    two, three, four = (batch.costs.batch_costs(b) for b in (2, 3, 4))
+    for n in three.seconds:
+        low, high = sorted((two.seconds[n], four.seconds[n]))
+        assert low <= three.seconds[n] <= high
