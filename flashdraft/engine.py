@@ -68,14 +68,21 @@ def _native(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> tor
     return native.small_gemm(x, weight)
 
 
+def _native_parallel(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+    # The same on torch's threads: faster where the other cores are free, slower where they are busy.
+    return native.small_gemm(x, weight, parallel=True)
+
+
 PRODUCTS: dict[str, ProductFn] = {
     "torch": _torch, "torch-t": _torch_transposed, "numpy": _numpy, "numpy-t": _numpy_transposed, "native": _native,
+    "native-parallel": _native_parallel,
 }
 
 
 def available_products() -> dict[str, ProductFn]:
     """The products this machine offers: the native kernel only where it compiles (`native.unavailable_reason`)."""
-    return {name: product for name, product in PRODUCTS.items() if name != "native" or native.available()}
+    return {name: product for name, product in PRODUCTS.items()
+            if not name.startswith("native") or native.available()}
 
 
 def _aligned(parameter: nn.Parameter) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """flashdraft's native matrix product for the few rows of a speculative step (`csrc/small_gemm.c`).
 
-Compiled once per machine on first use with the system's C compiler (`$CC`, else `cc`) for this very CPU
+Compiled once per machine on first use (with OpenMP where the compiler has it) with the system's C compiler (`$CC`, else `cc`) for this very CPU
 (`-march=native`), cached under `$FLASHDRAFT_HOME/native/`, and called through ctypes. Where no compiler works, or
 with `FLASHDRAFT_NATIVE=0`, it is simply not offered: the engine's kernel choice then picks among torch's and
 numpy's products as before. `unavailable_reason()` says why.
@@ -22,6 +22,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
+OPENMP_FLAG = "-fopenmp"  # tried first, for `small_gemm_parallel`; without it that is the serial kernel
 COMPILE_SECONDS = 120
 
 
@@ -63,12 +64,15 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         # Built beside its final name and renamed into place: a reader never loads half a library.
         with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
             built = Path(scratch) / library.name
-            try:
-                result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)],
-                                        capture_output=True, text=True, timeout=COMPILE_SECONDS)
-            except (OSError, subprocess.SubprocessError) as error:
-                return None, f"compiling {SOURCE.name} failed: {error}", None
-            if result.returncode != 0:
+            for flags in ((*FLAGS, OPENMP_FLAG), FLAGS):
+                try:
+                    result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)],
+                                            capture_output=True, text=True, timeout=COMPILE_SECONDS)
+                except (OSError, subprocess.SubprocessError) as error:
+                    return None, f"compiling {SOURCE.name} failed: {error}", None
+                if result.returncode == 0:
+                    break
+            else:
                 last = (result.stderr.strip().splitlines() or ["no message"])[-1]
                 return None, f"compiling {SOURCE.name} with {compiler} failed: {last}", None
             built.replace(library)
@@ -76,8 +80,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         loaded = ctypes.CDLL(str(library))
     except OSError as error:
         return None, f"loading {library} failed: {error}", None
-    loaded.small_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-    loaded.small_gemm.restype = None
+    for function in (loaded.small_gemm, loaded.small_gemm_parallel):
+        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+        function.restype = None
     return loaded, None, identity
 
 
@@ -95,8 +100,9 @@ def build_identity() -> str | None:
     return _build()[2]
 
 
-def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` for a float32 CPU `x` [M, K] and a contiguous `weight` [N, K], on the native kernel."""
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, parallel: bool = False) -> torch.Tensor:
+    """`x @ weight.T` for a float32 CPU `x` [M, K] and a contiguous `weight` [N, K], on the native kernel: on the
+    calling thread, or with `parallel` shared among torch's threads (the same result either way)."""
     library = _build()[0]
     if library is None:
         raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
@@ -110,5 +116,6 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError("the native kernel reads the weight in place: it must be contiguous")
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0])
-    library.small_gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
+    function = library.small_gemm_parallel if parallel else library.small_gemm
+    function(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
     return out

@@ -56,6 +56,16 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 @requires_native
+@pytest.mark.parametrize("outputs", [4096, 37, 3])
+def test_shared_among_threads_the_result_is_the_same_to_the_bit(outputs):
+    generator = torch.Generator().manual_seed(outputs)
+    weight = torch.randn(outputs, 200, generator=generator)
+    for rows in (1, 4, 11):
+        x = torch.randn(rows, 200, generator=generator)
+        assert torch.equal(native.small_gemm(x, weight, parallel=True), native.small_gemm(x, weight))
+
+
+@requires_native
 def test_weights_anywhere_in_memory_give_the_same_result():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 64, generator=generator)

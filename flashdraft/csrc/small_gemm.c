@@ -88,8 +88,25 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
 ALL_INPUT_ROWS(4)
 ALL_INPUT_ROWS(1)
 
+static void weight_tiles(const float *x, const float *w, float *y, long M, long N, long K, long first, long end) {
+    for (long t = first; t < end; t++) all_input_rows_4(x, w + t * TILE_ROWS * K, y + t * TILE_ROWS, M, N, K);
+}
+
+static void remainder_rows(const float *x, const float *w, float *y, long M, long N, long K) {
+    for (long n = N / TILE_ROWS * TILE_ROWS; n < N; n++) all_input_rows_1(x, w + n * K, y + n, M, N, K);
+}
+
+/* On the calling thread alone: on a machine whose other cores are busy, waking threads costs more than it saves. */
 void small_gemm(const float *x, const float *w, float *y, long M, long N, long K) {
-    size_t n = 0;
-    for (; n + TILE_ROWS <= (size_t)N; n += TILE_ROWS) all_input_rows_4(x, w + n * K, y + n, M, N, K);
-    for (; n < (size_t)N; n++) all_input_rows_1(x, w + n * K, y + n, M, N, K);
+    weight_tiles(x, w, y, M, N, K, 0, N / TILE_ROWS);
+    remainder_rows(x, w, y, M, N, K);
+}
+
+/* The weight tiles shared out among the process's OpenMP threads: torch's own pool, since torch loads its libgomp
+ * first. Compiled without OpenMP, the same as small_gemm. */
+void small_gemm_parallel(const float *x, const float *w, float *y, long M, long N, long K) {
+    const long tiles = N / TILE_ROWS;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tiles; t++) weight_tiles(x, w, y, M, N, K, t, t + 1);
+    remainder_rows(x, w, y, M, N, K);
 }
