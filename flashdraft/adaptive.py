@@ -123,7 +123,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
     """The target's verify costs up to `max_size` and the proposer's drafting time, measured once per model,
     draft, dtype, device, thread count and batch size, then read from disk. Measured, not tracked online, so that
     the block sizes chosen (and with them a seeded sampling run's output) do not depend on the machine's load of
-    the day. At a batch size above 1, the whole batch's verify costs (`measure_batch_verify_costs`) no draft time."""
+    the day. At a batch size above 1, the whole batch's verify costs (`measure_batch_verify_costs`), no draft."""
     from .models import cache_home
 
     draft = getattr(proposer, "draft", None)

@@ -1,7 +1,9 @@
-"""Load benchmark of `flashdraft serve` on loopback: requests per second, time to first token and time per output
-token (p50/p95), and errors, at several concurrencies.
+"""Load benchmark of `flashdraft serve` on loopback: requests and output tokens per second, time to first token and
+time per output token (p50/p95), and errors, at several concurrencies, for one server per --max-batch-size (1: the
+serial worker; above: continuous batching), all in the same run, the levels interleaved (each concurrency runs on
+every server in turn), and whether every response equals the serial server's answer at concurrency 1.
 
-    python scripts/bench_serve.py --no-draft --requests 16 --max-tokens 32 --concurrency 1 4 16
+    python scripts/bench_serve.py --requests 32 --max-tokens 64 --concurrency 1 4 8 16 --max-batch-size 1 16
 
 Starts `flashdraft serve` in a subprocess on a free loopback port (the default target and its shipped draft unless
 told otherwise; --fresh-draft serves a freshly initialised, untrained draft saved to a temporary folder), waits for
@@ -56,6 +58,8 @@ class Outcome:
     seconds_to_first_token: float
     seconds_per_output_token: float | None  # None with a single output token
     tau: float
+    tokens: int = 0
+    text: str = ""
 
 
 def free_port() -> int:
@@ -80,9 +84,9 @@ def fresh_draft(target: str, block_size: int, folder: str) -> str:
     return folder
 
 
-def start_server(args, port: int, draft: str | None) -> subprocess.Popen:
+def start_server(args, port: int, draft: str | None, max_batch_size: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "flashdraft.cli", "serve", "--target", args.target, "--port", str(port),
-               "--max-queue", str(max(args.concurrency))]
+               "--max-queue", str(max(args.concurrency)), "--max-batch-size", str(max_batch_size)]
     if args.no_draft:
         command.append("--no-draft")
     elif draft is not None:
@@ -107,6 +111,7 @@ def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int)
     sent = time.perf_counter()
     first = last = None
     usage = tau = None
+    pieces = []
     chunks = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True},
@@ -116,6 +121,7 @@ def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int)
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or now
             last = now
+            pieces.append(chunk.choices[0].delta.content)
         if chunk.choices and chunk.choices[0].finish_reason:
             tau = chunk.model_extra["flashdraft"]["tau"]
         if chunk.usage is not None:
@@ -124,19 +130,22 @@ def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int)
         raise RuntimeError("the stream ended without text or usage")
     tokens = usage.completion_tokens
     per_token = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Outcome(first - sent, per_token, tau)
+    return Outcome(first - sent, per_token, tau, tokens, "".join(pieces))
 
 
 def run_level(client, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list, int, float]:
+    """Outcomes in the order of `prompts` (None for a failed request), errors, seconds."""
     start = time.perf_counter()
     outcomes, errors = [], 0
     with ThreadPoolExecutor(concurrency) as pool:
         for future in [pool.submit(one_request, client, model, p, max_tokens) for p in prompts]:
             try:
                 outcomes.append(future.result())
+                continue
             except Exception as error:  # counted and reported: the table's error column
                 print(f"  request failed: {error}", file=sys.stderr)
                 errors += 1
+            outcomes.append(None)
     return outcomes, errors, time.perf_counter() - start
 
 
@@ -153,47 +162,59 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="client threads per level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds the server may take to start")
+    parser.add_argument("--max-batch-size", type=int, nargs="+", default=[1, 16],
+                        help="one server per value, compared in the same run (default: 1 16)")
     args = parser.parse_args()
 
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="flashdraft-bench-serve-") as scratch:
         draft = args.draft
         if args.fresh_draft:
             draft = fresh_draft(args.target, args.block_size or 16, scratch)
-        server = start_server(args, port, draft)
+        servers, clients = {}, {}
         try:
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=args.timeout
-            )
-            model = client.models.list().data[0].id
-            one_request(client, model, PROMPTS[0], 2)  # warm-up, not counted
+            for size in args.max_batch_size:  # started one after the other: each measures its costs alone
+                port = free_port()
+                servers[size] = start_server(args, port, draft, size)
+                clients[size] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                              max_retries=0, timeout=args.timeout)
+            model = clients[args.max_batch_size[0]].models.list().data[0].id
+            for client in clients.values():
+                one_request(client, model, PROMPTS[0], 2)  # warm-up, not counted
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-            rows = []
+            rows, reference = [], None
             for concurrency in args.concurrency:
-                outcomes, errors, seconds = run_level(client, model, prompts, concurrency, args.max_tokens)
-                if not outcomes:
-                    rows.append(f"| {concurrency} | {len(prompts)} | - | - | - | - | - | - | {errors} | - |")
-                    continue
-                ttft = np.array([o.seconds_to_first_token for o in outcomes]) * 1000
-                tpot = np.array([o.seconds_per_output_token for o in outcomes if o.seconds_per_output_token]) * 1000
-                tau = np.mean([o.tau for o in outcomes])
-                rows.append(
-                    f"| {concurrency} | {len(prompts)} | {len(prompts) / seconds:.2f} | {np.percentile(ttft, 50):.0f} "
-                    f"| {np.percentile(ttft, 95):.0f} | {np.percentile(tpot, 50):.0f} | {np.percentile(tpot, 95):.0f} "
-                    f"| {tau:.2f} | {errors} | {os.getloadavg()[0]:.1f} |"
-                )
-                print(rows[-1], file=sys.stderr, flush=True)
+                for size, client in clients.items():
+                    outcomes, errors, seconds = run_level(client, model, prompts, concurrency, args.max_tokens)
+                    texts = [o.text if o else None for o in outcomes]
+                    reference = reference or texts  # the first server's answers at the first level
+                    differ = sum(text != expected for text, expected in zip(texts, reference))
+                    done = [o for o in outcomes if o]
+                    if not done:
+                        rows.append(f"| {size} | {concurrency} | {len(prompts)} | - | - | - | - | - | - | - | - "
+                                    f"| {errors} | - |")
+                        continue
+                    ttft = np.array([o.seconds_to_first_token for o in done]) * 1000
+                    tpot = np.array([o.seconds_per_output_token for o in done if o.seconds_per_output_token]) * 1000
+                    tokens = sum(o.tokens for o in done)
+                    rows.append(
+                        f"| {size} | {concurrency} | {len(prompts)} | {len(done) / seconds:.2f} "
+                        f"| {tokens / seconds:.1f} | {np.percentile(ttft, 50):.0f} | {np.percentile(ttft, 95):.0f} "
+                        f"| {np.percentile(tpot, 50):.0f} | {np.percentile(tpot, 95):.0f} "
+                        f"| {np.mean([o.tau for o in done]):.2f} | {differ} | {errors} | {os.getloadavg()[0]:.1f} |"
+                    )
+                    print(rows[-1], file=sys.stderr, flush=True)
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            for server in servers.values():
+                server.terminate()
+                server.wait(timeout=60)
     mode = "no draft" if args.no_draft else (
         "fresh untrained draft" if args.fresh_draft else f"draft {draft or 'shipped'}"
     )
     print(f"\n{args.target}, {mode}, max_tokens {args.max_tokens}, greedy, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}\n")
-    print("| concurrency | requests | requests/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | tau "
-          "| errors | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| max batch | concurrency | requests | requests/s | output tokens/s | TTFT p50 ms | TTFT p95 ms "
+          "| TPOT p50 ms | TPOT p95 ms | tau | differ from serial c=1 | errors | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -15,6 +15,7 @@ from flashdraft.commands.options import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
+DEFAULT_MAX_BATCH_SIZE = 16  # as flashdraft.serve.worker's (tests/serve/test_cli.py checks they agree)
 # After SIGTERM the worker answers every request within a round; this bounds what is left (a client that does not
 # read its answer) before uvicorn cancels it.
 SHUTDOWN_SECONDS = 5
@@ -53,6 +54,11 @@ def register(subparsers) -> None:
         help="requests that may wait for the model; beyond that the server answers 429 (default: 64)",
     )
     parser.add_argument(
+        "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+        help="requests decoded together, stepped round by round; 1 decodes one at a time (default: %(default)s, "
+             "measured on a 2-core CPU)",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body served; a larger one is answered 413 (default: 4194304, 4 MiB)",
     )
@@ -83,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--proposals {args.proposals} needs a draft: drop --no-draft, or use --proposals lookup")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     if not 0 < args.port < 65536:
@@ -102,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size,
             proposals=args.proposals,
         )
-        app = create_app(engine, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+        app = create_app(engine, max_queue=args.max_queue, max_batch_size=args.max_batch_size,
+                         max_body_bytes=args.max_body_bytes)
         mode = f"{engine.proposals} proposals, block size {engine.block_size}" if engine.proposals else "no draft"
         print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
         config = uvicorn.Config(

@@ -45,7 +45,18 @@ from .schemas import (
     SamplingRequest,
     Usage,
 )
-from .worker import Cancelled, Engine, Failed, Finished, Job, QueueFull, ShuttingDown, TextDelta, Worker
+from .worker import (
+    DEFAULT_MAX_BATCH_SIZE,
+    Cancelled,
+    Engine,
+    Failed,
+    Finished,
+    Job,
+    QueueFull,
+    ShuttingDown,
+    TextDelta,
+    Worker,
+)
 
 # What an unknown path or method is told to use instead.
 ENDPOINTS = "GET /v1/models, POST /v1/chat/completions, POST /v1/completions and GET /health"
@@ -306,12 +317,13 @@ async def _events(job: Job) -> AsyncIterator[TextDelta | Finished | Failed | Can
             return
 
 
-def create_app(engine: Engine, *, max_queue: int = 64, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The server's FastAPI app over `engine`, with a worker whose queue holds up to `max_queue` requests, serving
-    request bodies of up to `max_body_bytes`."""
+def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server's FastAPI app over `engine`, with a worker stepping up to `max_batch_size` requests together (1:
+    one at a time) whose queue holds up to `max_queue` more, serving request bodies of up to `max_body_bytes`."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
-    worker = Worker(engine, max_queue)
+    worker = Worker(engine, max_queue, max_batch_size)
     started = int(time.time())
 
     @asynccontextmanager
@@ -356,7 +368,8 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_body_bytes: int = DEF
         return {
             "status": "ok",
             "model": engine.name,
-            "running": int(worker.running is not None),
+            "running": worker.running_count,
+            "max_batch_size": worker.max_batch_size,
             "queued": worker.queued,
             "max_queue": worker.max_queue,
             "completed": worker.completed,

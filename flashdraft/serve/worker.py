@@ -9,8 +9,10 @@ A job whose client has gone is cancelled (`Worker.cancel`): a waiting job leaves
 is checked after every round and its token stream closed, so the worker is free within one round. Every job ends
 its events with exactly one of `Finished`, `Failed` or `Cancelled`, so nothing waits on a job forever.
 
-Decoding is batch size 1. A batched worker would take several jobs off the same queue and step them together;
-the `Job` and event interface the routes use would not change.
+With `max_batch_size` above 1 (the server's default) the worker steps up to that many jobs together
+(`flashdraft.batching.Batch`): waiting jobs join between rounds, each job's tokens are sent after every round, a
+finished or cancelled job's row is freed before the next round. With 1 it runs one job at a time through
+`flashdraft.stream` (the serial worker, kept for comparison). The `Job` and event interface is the same for both.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..decoding import check_block_size, check_proposals, stream
+from ..batching import Batch, BatchSequence
+from ..decoding import GenerationResult, check_block_size, check_proposals, stream
 from ..draft import DFlashDraftModel
 from ..proposals import check_compatible
 from ..sampling import SamplingParams
@@ -34,6 +37,10 @@ from ..text import IncrementalText, encode_chat, stop_token_ids
 from .schemas import Statistics
 
 logger = logging.getLogger("flashdraft.serve")
+
+# Requests stepped together by default. On this 2-core CPU (SmolLM2-135M, BENCHMARKS.md "Continuous batching") output
+# tokens/s still grew from 8 to 16 concurrent requests, and a round of 16 rows stays a fraction of a second.
+DEFAULT_MAX_BATCH_SIZE = 16
 
 
 @dataclass
@@ -165,11 +172,15 @@ SHUTTING_DOWN = "the server is shutting down"
 class Worker:
     """One thread decoding queued jobs one at a time (see the module docstring)."""
 
-    def __init__(self, engine: Engine, max_queue: int):
+    def __init__(self, engine: Engine, max_queue: int, max_batch_size: int = 1):
         if max_queue < 1:
             raise ValueError(f"the queue must hold at least one request, got max_queue={max_queue}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.engine = engine
         self.max_queue = max_queue
+        self.max_batch_size = max_batch_size
+        self.batched: dict[BatchSequence, _Running] = {}  # the batched loop's running jobs
         self._waiting: deque[Job] = deque()
         self._changed = threading.Condition()  # guards _waiting, _stopping and the counters
         self._stopping = False
@@ -184,8 +195,22 @@ class Worker:
     def queued(self) -> int:
         return len(self._waiting)
 
+    @property
+    def running_count(self) -> int:
+        return len(self.batched) if self.max_batch_size > 1 else int(self.running is not None)
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name="flashdraft-worker", daemon=True)
+        serve = self._serve
+        if self.max_batch_size > 1:
+            self._batch = Batch(self.engine.target, self.engine.draft, block_size=self.engine.block_size,
+                                proposals=self.engine.proposals)
+            if self._batch.costs is not None:  # measured once per machine: before the first request, not during it
+                size = 1
+                while size < self.max_batch_size:
+                    size *= 2
+                    self._batch.costs.batch_costs(size)
+            serve = self._serve_batched
+        self._thread = threading.Thread(target=serve, name="flashdraft-worker", daemon=True)
         self._thread.start()
 
     def stop(self, wait: bool = True) -> None:
@@ -229,6 +254,75 @@ class Worker:
     def _count(self, counter: str) -> None:
         with self._changed:
             setattr(self, counter, getattr(self, counter) + 1)
+
+    def _take(self, most: int, wait: bool) -> list[Job] | None:
+        """Up to `most` waiting jobs (waiting for one when `wait`); None once the worker stops."""
+        with self._changed:
+            if wait:
+                self._changed.wait_for(lambda: self._waiting or self._stopping)
+            if self._stopping:
+                return None
+            return [self._waiting.popleft() for _ in range(min(most, len(self._waiting)))]
+
+    def _serve_batched(self) -> None:
+        batch, running = self._batch, self.batched
+        while (jobs := self._take(self.max_batch_size - len(running), wait=not running)) is not None:
+            for job in jobs:
+                self._join(batch, job)
+            for sequence, entry in list(running.items()):  # a gone client's row is freed before this round
+                if entry.job.cancelled.is_set():
+                    batch.cancel(sequence)
+                    del running[sequence]
+                    self._count("cancelled")
+                    entry.job.push(Cancelled())
+            if not running:
+                continue
+            try:
+                emitted = batch.step()
+            except Exception as error:  # a failed round fails its jobs, never the worker
+                logger.exception("generation failed")
+                for entry in running.values():
+                    self._count("failed")
+                    entry.job.push(Failed(f"generation failed: {error}"))
+                running.clear()
+                batch = self._batch = Batch(self.engine.target, self.engine.draft, block_size=self.engine.block_size,
+                                            proposals=self.engine.proposals)
+                continue
+            for sequence, tokens in emitted:
+                entry = running.get(sequence)
+                if entry is None:
+                    continue
+                delta, stopped = entry.text.add(tokens)
+                if delta:
+                    entry.job.push(TextDelta(delta))
+                if stopped:  # a stop string: the row goes at the next step
+                    batch.cancel(sequence)
+                    self._finish(running.pop(sequence), "stop", sequence.result)
+                elif sequence.result.stop_reason is not None:
+                    tail = entry.text.finish()
+                    if tail:
+                        entry.job.push(TextDelta(tail))
+                    self._finish(running.pop(sequence), sequence.result.stop_reason, sequence.result)
+        for entry in running.values():  # stopping: what runs is answered, as the serial worker does
+            entry.job.push(Failed(SHUTTING_DOWN, code="shutting_down"))
+        running.clear()
+
+    def _join(self, batch: Batch, job: Job) -> None:
+        try:
+            sequence = batch.add(job.prompt, max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
+                                 top_p=job.sampling.top_p, top_k=job.sampling.top_k,
+                                 stop_token_ids=self.engine.stop_token_ids, seed=job.seed)
+        except Exception as error:
+            self._count("failed")
+            job.push(Failed(f"generation failed: {error}"))
+            return
+        self.batched[sequence] = _Running(job, IncrementalText(self.engine.tokenizer, job.stop),
+                                          time.perf_counter() - job.submitted)
+
+    def _finish(self, entry: _Running, finish_reason: str, result: GenerationResult) -> None:
+        self._count("completed")
+        entry.job.push(Finished(finish_reason, len(result.tokens),
+                                statistics(self.engine, result, entry.queue_seconds)))
 
     def _serve(self) -> None:
         while (job := self._next()) is not None:
@@ -281,16 +375,29 @@ class Worker:
                 job.push(TextDelta(tail))
             finish_reason = tokens.result.stop_reason
         result = tokens.result
-        statistics = Statistics(
-            block_size=engine.block_size,
-            proposals=engine.proposals,
-            tokens_by_source=result.tokens_by_source,
-            rounds=len(result.acceptance_lengths),
-            tau=result.tau,
-            acceptance_lengths=result.acceptance_lengths,
-            queue_seconds=queue_seconds,
-            prefill_seconds=result.prefill_seconds,
-            decode_seconds=result.decode_seconds,
-        )
         self._count("completed")
-        job.push(Finished(finish_reason, len(result.tokens), statistics))
+        job.push(Finished(finish_reason, len(result.tokens), statistics(engine, result, queue_seconds)))
+
+
+@dataclass
+class _Running:
+    """A job of the batched loop: its text so far and how long it waited."""
+
+    job: Job
+    text: IncrementalText
+    queue_seconds: float
+
+
+def statistics(engine: Engine, result: GenerationResult, queue_seconds: float) -> Statistics:
+    """A finished job's statistics, as the response's `flashdraft` field reports them."""
+    return Statistics(
+        block_size=engine.block_size,
+        proposals=engine.proposals,
+        tokens_by_source=result.tokens_by_source,
+        rounds=len(result.acceptance_lengths),
+        tau=result.tau,
+        acceptance_lengths=result.acceptance_lengths,
+        queue_seconds=queue_seconds,
+        prefill_seconds=result.prefill_seconds,
+        decode_seconds=result.decode_seconds,
+    )

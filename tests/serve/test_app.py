@@ -26,9 +26,10 @@ def engine() -> Engine:
     return Engine.from_models(target, tiny_tokenizer(), tiny_draft(target, block_size=4), name="tiny", block_size=4)
 
 
-@pytest.fixture(scope="module")
-def address(engine):
-    with serve_in_thread(create_app(engine, max_queue=4)) as address:
+@pytest.fixture(scope="module", params=[1, 4], ids=["serial", "batched"])
+def address(engine, request):
+    """The app with the serial worker, and with the batched one: every route behaves the same."""
+    with serve_in_thread(create_app(engine, max_queue=4, max_batch_size=request.param)) as address:
         yield address
 
 
@@ -143,16 +144,21 @@ def failing_stream(*args, **kwargs):
     raise RuntimeError("out of memory")
 
 
-def test_a_failed_generation_is_500_with_a_code(address, monkeypatch):
+@pytest.fixture
+def failing_generation(monkeypatch):
+    """Decoding fails, in the serial worker's stream and in the batched worker's rounds alike."""
     monkeypatch.setattr(worker_module, "stream", failing_stream)
+    monkeypatch.setattr(worker_module.Batch, "step", failing_stream)
+
+
+def test_a_failed_generation_is_500_with_a_code(address, failing_generation):
     status, answer = post(address, "/v1/completions", COMPLETION)
     assert status == 500
     assert_error(answer, "generation_failed")
     assert answer["error"]["message"] == "generation failed: out of memory"
 
 
-def test_a_failed_stream_ends_with_an_error_event_with_a_code(address, monkeypatch):
-    monkeypatch.setattr(worker_module, "stream", failing_stream)
+def test_a_failed_stream_ends_with_an_error_event_with_a_code(address, failing_generation):
     body = json.dumps({**COMPLETION, "stream": True}).encode()
     status, _, text = request(address, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
     assert status == 200  # the stream had begun: the failure is its last event

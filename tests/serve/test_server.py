@@ -83,6 +83,7 @@ def start_server(folders, log_path) -> tuple[subprocess.Popen, str]:
         sys.executable, "-m", "flashdraft.cli", "serve", "--target", str(folders[0]), "--draft", str(folders[1]),
         "--block-size", str(BLOCK_SIZE),
         "--host", "127.0.0.1", "--port", str(port), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL,
+        "--max-batch-size", "1",  # the queue's tests count one running request (batched: tests/serve/test_worker.py)
     ]
     # One thread: the tiny model gains nothing from more, and the machine is shared.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
