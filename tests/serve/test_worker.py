@@ -224,3 +224,47 @@ def test_stopping_fails_the_running_job_at_once_and_refuses_new_ones(engine):
         return failure
 
     assert asyncio.run(main()) == Failed("the server is shutting down", code="shutting_down")
+
+
+# ------------------------------------------------------------------------------------------ the batched worker
+
+
+def test_the_batched_worker_answers_each_job_as_the_serial_one_does(engine):
+    """Jobs stepped together (some joining while others run, one with a stop string, one whose client leaves):
+    every text and token count equals the serial worker's; the departed job's row is freed, the queue bound holds."""
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 9, 10, 11, 12], [13, 14], [15], [16, 17, 18]]
+
+    async def run(max_batch_size):
+        worker = Worker(engine, max_queue=8, max_batch_size=max_batch_size)
+        jobs = [job(prompt, max_tokens=12 + 3 * i) for i, prompt in enumerate(prompts)]
+        stopping = job([5, 6, 7], max_tokens=30, stop=["w3"])
+        leaving = job([20, 21], max_tokens=400)
+        for j in jobs[:3] + [leaving]:
+            worker.submit(j)
+        worker.start()
+        try:
+            first = await asyncio.wait_for(leaving.events.get(), 60)  # the leaving job runs now
+            assert isinstance(first, TextDelta)
+            for j in jobs[3:] + [stopping]:  # join while the others run
+                worker.submit(j)
+            worker.cancel(leaving)
+            answers = [await collect(j) for j in jobs + [stopping]]
+            _, last = await collect(leaving)
+            assert isinstance(last, Cancelled) and worker.cancelled == 1
+            for _ in range(500):  # the serial worker clears its running job just after the last event
+                if worker.running_count == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert worker.running_count == 0
+            return [(text, event.completion_tokens, event.finish_reason) for text, event in answers]
+        finally:
+            worker.stop()
+
+    batched, serial = asyncio.run(run(4)), asyncio.run(run(1))
+    assert batched == serial
+    assert batched[-1][2] == "stop"
+
+
+def test_max_batch_size_is_checked(engine):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Worker(engine, max_queue=4, max_batch_size=0)
