@@ -520,7 +520,8 @@ def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], 
         for kind, kind_weights in weights.items():
             x = torch.randn(rows, kind_weights[0].shape[1])
             seconds = interleaved_seconds(
-                {name: partial(_products, product, x, kind_weights, engine.numpy) for name, product in products.items()},
+                {name: partial(_products, product, x, kind_weights, engine.numpy)
+                 for name, product in products.items()},
                 repeats,
             )
             alone[kind] = min(seconds, key=seconds.__getitem__)

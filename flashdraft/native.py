@@ -1,9 +1,9 @@
 """flashdraft's native matrix product for the few rows of a speculative step (`csrc/small_gemm.c`).
 
-Compiled once per machine on first use (with OpenMP where the compiler has it) with the system's C compiler (`$CC`, else `cc`) for this very CPU
-(`-march=native`), cached under `$FLASHDRAFT_HOME/native/`, and called through ctypes. Where no compiler works, or
-with `FLASHDRAFT_NATIVE=0`, it is simply not offered: the engine's kernel choice then picks among torch's and
-numpy's products as before. `unavailable_reason()` says why.
+Compiled once per machine on first use with the system's C compiler (`$CC`, else `cc`) for this very CPU
+(`-march=native`, with OpenMP where the compiler has it), cached under `$FLASHDRAFT_HOME/native/`, and called
+through ctypes. Where no compiler works, or with `FLASHDRAFT_NATIVE=0`, it is simply not offered: the engine's
+kernel choice then picks among torch's and numpy's products as before. `unavailable_reason()` says why.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, parallel: bool = False) ->
     library = _build()[0]
     if library is None:
         raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu":
+    if {x.dtype, weight.dtype} != {torch.float32} or {x.device.type, weight.device.type} != {"cpu"}:
         raise ValueError(f"the native kernel takes float32 CPU tensors, not {x.dtype} on {x.device} and "
                          f"{weight.dtype} on {weight.device}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:

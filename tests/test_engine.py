@@ -14,11 +14,11 @@ from flashdraft.decoding import generate
 from flashdraft.engine import (
     KERNEL_ROWS,
     PRODUCTS,
-    available_products,
     Engine,
     EngineCache,
     KernelChoice,
     KernelLinear,
+    available_products,
     cached_kernels,
     measure_kernels,
     unsupported_reason,

@@ -116,7 +116,8 @@ def test_turned_off_or_without_a_compiler_it_is_not_offered(rebuilt, tmp_path):
 
 def test_a_failing_compiler_is_reported_not_raised(rebuilt, tmp_path):
     compiler = tmp_path / "broken-cc"
-    compiler.write_text("#!/bin/sh\necho 'broken-cc 1.0'\n[ \"$1\" = --version ] && exit 0\necho 'error: no way' >&2\nexit 1\n")
+    compiler.write_text("#!/bin/sh\necho 'broken-cc 1.0'\n[ \"$1\" = --version ] && exit 0\n"
+                        "echo 'error: no way' >&2\nexit 1\n")
     compiler.chmod(0o755)
     rebuilt.setenv("FLASHDRAFT_HOME", str(tmp_path / "home"))
     rebuilt.setenv("CC", str(compiler))
