@@ -1,13 +1,17 @@
 """Continuous batching: several sequences decoded together, each exactly as it would be alone.
 
 A `Batch` holds sequences of different lengths, each with its own budget, stop tokens, sampling parameters and
-generator. `add` queues a prompt at any time; `step` runs one round over every sequence:
+generator. `add` queues a prompt at any time; `step` runs a prefill and a round (`prefill`, then `decode`):
 
-1. Join: each queued sequence is prefilled alone (its own forward and cache, so its first token is the one it gets
-   alone) and its cache joins the batch's `RowCache` as a new row.
+1. Prefill: the queued sequences are prefilled together, in one target forward over every row's next chunk of
+   prompt (`TargetModel.prefill_rows`, rows of different lengths in a `RowCache` of their own). A step prefills
+   at most `prefill_tokens` tokens (rows x widest chunk), so a long prompt is prefilled in chunks over several
+   steps and never stalls the running rows for long. A sequence whose prompt is done gets its first token from the
+   logits after its last prompt token, and its row moves into the batch's `RowCache` (one row copied).
 2. Propose: each row's proposer (`HybridProposer`: the lookup, the draft or both) plans its round with the
    target's verify costs measured at this batch size (`flashdraft.adaptive.BatchCosts`); the draft then drafts every
-   row whose plan drafts in one pass (`DFlashProposer.logits_rows`).
+   row whose plan drafts in one pass (`DFlashProposer.logits_rows`; a row's first draft context is its prompt's
+   features, all chunks).
 3. Verify: one target forward over every row's block [anchor, proposals], each row at its own positions. Blocks
    of different lengths are padded at their end to the longest: a row's padding comes after its real tokens, so
    causal attention keeps it out of their logits, and its K/V lie past what the row keeps.
@@ -47,6 +51,10 @@ from .proposals import LOOKUP_BLOCK_SIZE, DFlashProposer, HybridProposer
 from .sampling import SamplingParams, check_seed
 from .target import TargetModel
 
+# Prompt tokens one step prefills at most (rows x widest chunk): on this 2-core CPU about the cost of a few rounds of
+# 16 rows (SmolLM2-135M), enough for 16 chat prompts of ~40 tokens at once.
+DEFAULT_PREFILL_TOKENS = 1024
+
 
 @dataclass(eq=False)  # a sequence is itself: a batch finds it by identity
 class BatchSequence:
@@ -72,7 +80,8 @@ class _Row:
     proposer: HybridProposer | None
     pending: list[torch.Tensor] = field(default_factory=list)  # verified features its proposer has not read
     anchor: int = 0  # the last emitted token, not yet in the target's cache, at position `start`
-    start: int = 0
+    start: int = 0  # while prefilling: the prompt tokens prefilled so far
+    prefill_began: float = 0.0
     began: float = 0.0  # when its first token was known
 
     def __post_init__(self):
@@ -84,7 +93,8 @@ class Batch:
     what they mean for `flashdraft.stream`, for every sequence of the batch; a draft must be a `DFlashDraftModel`
     (a `Proposer` object decodes one sequence at a time, with `stream`). With `block_size="auto"` each row's
     round is planned with the costs measured at the batch's size; "dflash" plans the draft's rounds the same way,
-    without the lookup."""
+    without the lookup. `prefill_tokens`: the most prompt tokens one step prefills (rows x widest chunk), so that
+    a long prompt is prefilled over several steps."""
 
     def __init__(
         self,
@@ -93,7 +103,10 @@ class Batch:
         *,
         block_size: int | str | None = "auto",
         proposals: str | None = None,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     ):
+        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be an integer >= 1, got {prefill_tokens!r}")
         if draft is not None and not isinstance(draft, DFlashDraftModel):
             raise ValueError("a batch drafts with a DFlashDraftModel; a proposer object decodes one sequence at a time "
                              "(flashdraft.stream)")
@@ -112,14 +125,17 @@ class Batch:
         # The draft drafts at its own block size, or the round's when larger (as `stream` does).
         self.draft_size = max(self.max_size, native) if self.dflash else 0
         self.layer_ids = self.dflash.target_layer_ids if self.dflash else None
+        self.prefill_tokens = prefill_tokens
         self.cache = self.target.new_row_cache()
         self.draft_cache = self.dflash.new_row_cache() if self.dflash else None
         self.rows: list[_Row] = []  # in the order of the caches' rows
+        self.prefill_cache = self.target.new_row_cache()  # the rows being prefilled, in the order of `prefilling`
+        self.prefilling: list[_Row] = []
         self.waiting: list[_Row] = []
 
     def __len__(self) -> int:
-        """Sequences not finished yet: running and waiting to join."""
-        return len(self.rows) + len(self.waiting)
+        """Sequences not finished yet: running, being prefilled and waiting."""
+        return len(self.rows) + len(self.prefilling) + len(self.waiting)
 
     def add(
         self,
@@ -146,43 +162,66 @@ class Batch:
         return sequence
 
     def cancel(self, sequence: BatchSequence) -> None:
-        """Stop a sequence: it leaves the batch at the next `step` (its row is freed before that step's round)."""
+        """Stop a sequence: it leaves the batch now, running, being prefilled or waiting (its rows are freed)."""
         sequence.cancelled = True
+        self._leave_cancelled()
 
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
-        """Queued sequences join (their first token), then one round over every running sequence. Returns the
-        tokens each sequence emitted in this step; a sequence that finished has left the batch."""
-        self._leave([i for i, row in enumerate(self.rows) if row.sequence.cancelled])
+        """`prefill`, then `decode`: the tokens each sequence emitted in this step (a sequence that finished has
+        left the batch)."""
+        return self.prefill() + self.decode()
+
+    def prefill(self) -> list[tuple[BatchSequence, list[int]]]:
+        """1. One forward over the next chunk of every sequence being prefilled, the queued ones joining them as
+        far as `prefill_tokens` allows. Returns the first token of each sequence whose prompt is done (it runs in
+        the next `decode`, unless that token ended it); nothing when none waits."""
         emitted = []
-        waiting, self.waiting = self.waiting, []
-        for row in waiting:
-            if not row.sequence.cancelled:
-                emitted.append((row.sequence, self._join(row)))
-        if self.rows:
-            emitted += self._round()
+        while self.waiting and len(self.prefilling) < self.prefill_tokens:
+            row = self.waiting.pop(0)
+            if row.max_new_tokens == 0:
+                row.sequence.result.stop_reason = "length"
+                emitted.append((row.sequence, []))
+                continue
+            row.prefill_began = time.perf_counter()
+            self.prefill_cache.add_empty()
+            self.prefilling.append(row)
+        if not self.prefilling:
+            return emitted
+        # Every row being prefilled takes a chunk of the same width at most, within the step's budget.
+        rows = self.prefilling
+        width = min(max(len(row.prompt[0]) - row.start for row in rows), self.prefill_tokens // len(rows))
+        chunks = [row.prompt[0, row.start : row.start + width] for row in rows]
+        logits, features = self.target.prefill_rows(chunks, [row.start for row in rows], self.prefill_cache,
+                                                    self.layer_ids)
+        done = []
+        for i, (row, chunk) in enumerate(zip(rows, chunks)):
+            row.start += len(chunk)
+            if features is not None:
+                row.pending.append(features[i])
+            if row.start == row.prompt.shape[1]:
+                done.append(i)
+                emitted.append((row.sequence, self._join(row, logits[i], i)))
+        for i in reversed(done):  # the highest index first: the last row takes each leaver's place
+            self.prefill_cache.remove(i)
+            rows[i] = rows[-1]
+            rows.pop()
         return emitted
 
-    def _join(self, row: _Row) -> list[int]:
-        """1. Prefill the row alone; it joins the batch unless its first token ends it."""
-        result = row.sequence.result
-        if row.max_new_tokens == 0:
-            result.stop_reason = "length"
-            return []
-        began = time.perf_counter()
-        cache = self.target.new_cache()
-        length = row.prompt.shape[1]
-        positions = torch.arange(length, device=self.target.device)[None]
-        logits, features = self.target.forward(row.prompt, positions, cache, self.layer_ids, logits_to_keep=1)
-        first = row.pick(logits[0]).item()
+    def decode(self) -> list[tuple[BatchSequence, list[int]]]:
+        """2-5. One round over every running sequence: the tokens each emitted (a finished one has left)."""
+        return self._round() if self.rows else []
+
+    def _join(self, row: _Row, logits: torch.Tensor, prefill_row: int) -> list[int]:
+        """A prefilled row's first token (from `logits`, [1, V]); it joins the running rows unless that ends it."""
+        first = row.pick(logits).item()
         if row.proposer is not None:
             row.proposer.observe(row.prompt[0].tolist() + [first])
-        if features is not None:
-            row.pending.append(features)
-        result.prefill_seconds = time.perf_counter() - began
-        row.anchor, row.start, row.began = first, length, time.perf_counter()
+        result = row.sequence.result
+        row.anchor, row.began = first, time.perf_counter()
+        result.prefill_seconds = row.began - row.prefill_began
         emitted, going_on = emit_tokens([first], result, row.stop_ids, row.max_new_tokens)
         if going_on:
-            self.cache.add(cache)
+            self.cache.add_from(self.prefill_cache, prefill_row, row.start)
             if self.draft_cache is not None:
                 self.draft_cache.add_row()
             self.rows.append(row)
@@ -256,6 +295,16 @@ class Batch:
         self.cache.keep([row.start for row in rows])
         self._leave(finished)
         return emitted
+
+    def _leave_cancelled(self) -> None:
+        """Cancelled sequences leave: running, being prefilled or waiting (the last row takes each one's place)."""
+        self._leave([i for i, row in enumerate(self.rows) if row.sequence.cancelled])
+        for i in reversed(range(len(self.prefilling))):
+            if self.prefilling[i].sequence.cancelled:
+                self.prefill_cache.remove(i)
+                self.prefilling[i] = self.prefilling[-1]
+                self.prefilling.pop()
+        self.waiting = [row for row in self.waiting if not row.sequence.cancelled]
 
     def _leave(self, indices: list[int]) -> None:
         """Rows leave, the highest index first: each time the last row takes the leaver's place, in every cache."""

@@ -189,18 +189,21 @@ class EngineCache:
         if self.padding is not None:
             self.padding = self.padding[rows]
 
-    def add_row(self, other: EngineCache) -> None:
-        """By position: `other`'s single row (a sequence's prefill, at positions 0..other.length-1) joins as the
-        last row. Allocated rows double when full, so joining copies one row, not the batch."""
-        length = max(self.length, other.length)
+    def add_row(self, other: EngineCache | None = None, row: int = 0, length: int | None = None) -> None:
+        """By position: row `row` of `other` (a prefill, at positions 0..length-1; by default `other.length`)
+        joins as the last row; None: an empty row (what its slot holds lies past its length: never seen, then
+        overwritten). Allocated rows double when full, so joining copies one row, not the batch."""
+        if length is None:
+            length = other.length if other is not None else 0
         allocated = 0 if self.keys is None else self.keys.shape[1]
         if self.rows == allocated:
             self._grow_rows(max(2 * allocated, 1))
         self.rows += 1
-        self.reserve(self.rows, length)
-        self.keys[:, self.rows - 1, :, : other.length] = other.keys[:, 0, :, : other.length]
-        self.values[:, self.rows - 1, :, : other.length] = other.values[:, 0, :, : other.length]
-        self.length = length
+        self.reserve(self.rows, max(self.length, length))
+        if other is not None:
+            self.keys[:, self.rows - 1, :, :length] = other.keys[:, row, :, :length]
+            self.values[:, self.rows - 1, :, :length] = other.values[:, row, :, :length]
+        self.length = max(self.length, length)
 
     def remove_row(self, row: int) -> None:
         """By position: row `row` leaves; the last row moves into its place."""

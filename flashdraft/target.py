@@ -30,8 +30,9 @@ class RowCache:
     positions, so no row is padded and rolling a row back costs nothing. On transformers' forward, one
     `DynamicCache` per row, run row by row (exact, without the batch's speed)."""
 
-    def __init__(self, engine_cache: EngineCache | None):
+    def __init__(self, engine_cache: EngineCache | None, new_cache: Callable[[], DynamicCache]):
         self.engine_cache = engine_cache
+        self.new_cache = new_cache  # an empty row's cache, on transformers' forward
         self.caches: list[DynamicCache] = []  # transformers' forward only
 
     def __len__(self) -> int:
@@ -43,6 +44,21 @@ class RowCache:
             self.engine_cache.add_row(cache)
         else:
             self.caches.append(cache)
+
+    def add_empty(self) -> None:
+        """An empty row joins as the last row (a sequence about to be prefilled, `TargetModel.prefill_rows`)."""
+        if self.engine_cache is not None:
+            self.engine_cache.add_row(None)
+        else:
+            self.caches.append(self.new_cache())
+
+    def add_from(self, other: RowCache, row: int, length: int) -> None:
+        """Row `row` of `other`, its first `length` positions, joins as the last row (`other` keeps it until it
+        is removed there)."""
+        if self.engine_cache is not None:
+            self.engine_cache.add_row(other.engine_cache, row, length)
+        else:
+            self.caches.append(other.caches[row])
 
     def remove(self, row: int) -> None:
         """Row `row` leaves the batch; the last row takes its place (as the batch's own rows must)."""
@@ -177,9 +193,11 @@ class TargetModel:
         return engine.new_cache() if engine is not None else DynamicCache(config=self.model.config)
 
     def new_row_cache(self) -> RowCache:
-        """An empty `RowCache`: sequences join it with their prefilled `new_cache()`."""
+        """An empty `RowCache`: sequences join it empty (`add_empty`, then `prefill_rows`), from another row cache
+        (`add_from`) or with their own prefilled `new_cache()` (`add`)."""
         engine = self.engine
-        return RowCache(engine.new_cache(by_position=True) if engine is not None else None)
+        return RowCache(engine.new_cache(by_position=True) if engine is not None else None,
+                        lambda: DynamicCache(config=self.model.config))
 
     @torch.no_grad()
     def forward_rows(
@@ -198,6 +216,44 @@ class TargetModel:
                    for r, row_cache in enumerate(cache.caches)]
         features = torch.cat([f for _, f in outputs]) if layer_ids else None
         return torch.cat([logits for logits, _ in outputs]), features
+
+    @torch.no_grad()
+    def prefill_rows(
+        self,
+        chunks: Sequence[torch.Tensor],  # [n_r] the next prompt tokens of each row
+        starts: Sequence[int],  # the position of each chunk's first token (what the row holds already)
+        cache: RowCache,
+        layer_ids: list[int] | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """One cached forward over a chunk of every row of `cache`, chunks of different lengths (sequences
+        prefilled together). Returns the logits after each chunk's last token [b, 1, V] and, with `layer_ids`, each
+        row's features [1, n_r, k*d] (as `forward`).
+
+        On the engine, one forward over [b, widest chunk], each chunk placed at the end of its row so that the
+        last column holds every row's last token (only its logits are computed); the padding before it takes the
+        positions right after the chunk, which the row's real tokens never see (a query sees the positions up to
+        its own) and its next tokens overwrite. On transformers' forward, row by row."""
+        device = self.device
+        if cache.engine_cache is None:
+            outputs = [self.forward(chunk[None], torch.arange(start, start + len(chunk), device=device)[None],
+                                    row_cache, layer_ids, logits_to_keep=1)
+                       for chunk, start, row_cache in zip(chunks, starts, cache.caches)]
+            return torch.cat([logits for logits, _ in outputs]), [f for _, f in outputs] if layer_ids else None
+        width = max(len(chunk) for chunk in chunks)
+        input_ids = torch.zeros(len(chunks), width, dtype=torch.long, device=device)
+        positions = torch.empty(len(chunks), width, dtype=torch.long, device=device)
+        offsets = torch.arange(width, device=device)
+        for r, (chunk, start) in enumerate(zip(chunks, starts)):
+            pad = width - len(chunk)
+            input_ids[r, pad:] = chunk
+            input_ids[r, :pad] = chunk[-1]  # any token: never seen
+            positions[r, pad:] = start + offsets[: len(chunk)]
+            positions[r, :pad] = start + len(chunk) + offsets[:pad]
+        logits, features = getattr(self.model, _ENGINE).forward(input_ids, positions, cache.engine_cache, layer_ids,
+                                                                 logits_to_keep=1)
+        if features is None:
+            return logits, None
+        return logits, [features[r : r + 1, width - len(chunk) :] for r, chunk in enumerate(chunks)]
 
     @torch.no_grad()
     def forward(

@@ -16,10 +16,18 @@ from tiny import ARCHITECTURES, greedy_reference, tiny_draft, tiny_target
 MASK = 1
 STOP = 7
 TARGETS = {arch: tiny_target(arch, seed=10 + i, forbid_token=MASK) for i, arch in enumerate(ARCHITECTURES)}
+# The same targets without the hook that forbids the mask token: hooks keep a target off the engine, whose cache by
+# position is what batches of different lengths run on.
+ENGINE_TARGETS = {arch: tiny_target(arch, seed=10 + i) for i, arch in enumerate(ARCHITECTURES)}
 DRAFTS = {arch: tiny_draft(t, block_size=8, mask_token_id=MASK) for arch, t in TARGETS.items()}
 # (proposals, block size): every kind of round a batch can plan
 MODES = [("hybrid", "auto"), ("hybrid", 8), ("dflash", "auto"), ("dflash", 5), ("lookup", "auto"), ("lookup", 6),
          (None, 1)]
+
+
+def on_engine(arch: str, engine: str) -> TargetModel:
+    """The tiny target of `arch` on flashdraft's engine ("flashdraft") or on transformers' forward."""
+    return TargetModel(ENGINE_TARGETS[arch] if engine == "flashdraft" else TARGETS[arch], engine=engine)
 
 
 def random_prompts(rng: random.Random, count: int) -> list[list[int]]:
@@ -33,7 +41,7 @@ def random_prompts(rng: random.Random, count: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.mark.parametrize("engine", ["auto", "transformers"])
+@pytest.mark.parametrize("engine", ["flashdraft", "transformers"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("mode", MODES, ids=lambda mode: f"{mode[0]}-{mode[1]}")
 def test_every_row_of_a_batch_gets_its_own_greedy_tokens(arch, engine, mode):
@@ -41,7 +49,7 @@ def test_every_row_of_a_batch_gets_its_own_greedy_tokens(arch, engine, mode):
     transformers' forward (row by row): each equals the sequence decoded alone."""
     proposals, block_size = mode
     rng = random.Random(f"{arch} {engine} {mode}")  # a string seeds the same in every process
-    target = TargetModel(TARGETS[arch], engine=engine)
+    target = on_engine(arch, engine)
     draft = DRAFTS[arch] if proposals in ("hybrid", "dflash") else None
     batch = Batch(target, draft, block_size=block_size, proposals=proposals)
     cases = []
@@ -55,10 +63,80 @@ def test_every_row_of_a_batch_gets_its_own_greedy_tokens(arch, engine, mode):
         alone = generate_alone(target, draft, prompt, block_size=block_size, proposals=proposals, **options)
         assert sequence.result.tokens == alone.tokens
         assert sequence.result.stop_reason == alone.stop_reason
-        assert MASK not in sequence.result.tokens
+        assert engine == "flashdraft" or MASK not in sequence.result.tokens
     prompt, options, sequence = cases[0]
-    assert sequence.result.tokens == greedy_reference(TARGETS[arch], prompt, options["max_new_tokens"],
+    assert sequence.result.tokens == greedy_reference(target.model, prompt, options["max_new_tokens"],
                                                       options["stop_token_ids"])
+
+
+@pytest.mark.parametrize("engine", ["flashdraft", "transformers"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("mode", [("hybrid", "auto"), ("dflash", 5), (None, 1)], ids=lambda mode: str(mode[0]))
+def test_prompts_prefilled_together_in_chunks_give_each_row_its_own_tokens(arch, engine, mode, monkeypatch):
+    """Prompts of very different lengths prefilled together under a small budget: each step runs one prefill
+    forward over every row being prefilled (rows x widest chunk within the budget), long prompts over several
+    steps while others decode; each row equals the sequence decoded alone, and the draft's context follows."""
+    proposals, block_size = mode
+    rng = random.Random(f"chunks {arch} {engine} {mode}")
+    target = on_engine(arch, engine)
+    draft = DRAFTS[arch] if proposals else None
+    budget = 24
+    batch = Batch(target, draft, block_size=block_size, proposals=proposals, prefill_tokens=budget)
+    forwards = []
+    prefill_rows = target.prefill_rows
+
+    def counted(chunks, starts, cache, layer_ids):
+        forwards.append([len(chunk) for chunk in chunks])
+        return prefill_rows(chunks, starts, cache, layer_ids)
+
+    monkeypatch.setattr(target, "prefill_rows", counted)
+    cases = []
+    for step in range(12):
+        if step in (0, 1, 5):  # several join at once, others while those decode
+            for prompt in random_prompts(rng, 4):
+                budget_tokens = rng.randint(1, 30)
+                cases.append((prompt, budget_tokens, batch.add(prompt, max_new_tokens=budget_tokens)))
+        batch.step()
+        if draft is not None:
+            assert len(batch.draft_cache.lengths) == len(batch.rows)
+        assert len(batch.cache) == len(batch.rows) and len(batch.prefill_cache) == len(batch.prefilling)
+    while batch:
+        batch.step()
+    assert all(len(widths) * max(widths) <= budget for widths in forwards)
+    assert max(len(widths) for widths in forwards) >= 4  # prompts joining together share one forward
+    assert any(len(prompt) > budget for prompt, _, _ in cases)  # so some prompt took several steps
+    for prompt, budget_tokens, sequence in cases:
+        alone = generate_alone(target, draft, prompt, max_new_tokens=budget_tokens, block_size=block_size,
+                               proposals=proposals)
+        assert sequence.result.tokens == alone.tokens
+
+
+def test_a_cancelled_sequence_frees_its_row_and_its_memory():
+    """Disconnecting clients, round after round: a cancelled sequence's row leaves at once, whether it was
+    running, being prefilled or waiting, and the caches' memory stays what the first round allocated."""
+    target, draft = on_engine("qwen3", "flashdraft"), DRAFTS["qwen3"]
+    batch = Batch(target, draft, block_size=4, proposals="dflash", prefill_tokens=64)  # the draft runs every round
+    rng = random.Random(3)
+
+    def allocated():
+        engine_cache = batch.cache.engine_cache
+        return (engine_cache.keys.numel(), batch.prefill_cache.engine_cache.keys.numel(),
+                batch.draft_cache.keys.numel())
+
+    sizes = []
+    for _ in range(3):
+        sequences = [batch.add(prompt, max_new_tokens=100) for prompt in random_prompts(rng, 12)]
+        for _ in range(3):
+            batch.step()
+        assert batch.rows and batch.prefilling  # some run, some are still being prefilled
+        for sequence in sequences:
+            batch.cancel(sequence)
+        batch.cancel(batch.add([5, 6], max_new_tokens=1))  # one still waiting
+        assert len(batch) == 0 and len(batch.cache) == 0 and len(batch.prefill_cache) == 0
+        assert batch.draft_cache.lengths == []
+        assert all(sequence.result.stop_reason is None for sequence in sequences)
+        sizes.append(allocated())
+    assert sizes[0] == sizes[1] == sizes[2]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -81,6 +159,7 @@ def test_sequences_join_and_leave_between_rounds(arch):
             victim = live[0][2]
             batch.cancel(victim)
             cancelled.append(victim)
+            assert victim not in [row.sequence for row in batch.rows + batch.prefilling + batch.waiting]
         emitted = batch.step()
         assert all(not sequence.cancelled for sequence, _ in emitted)
         assert len(batch.rows) <= 14
