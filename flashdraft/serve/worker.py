@@ -10,8 +10,9 @@ is checked after every round and its token stream closed, so the worker is free 
 its events with exactly one of `Finished`, `Failed` or `Cancelled`, so nothing waits on a job forever.
 
 With `max_batch_size` above 1 (the server's default) the worker steps up to that many jobs together
-(`flashdraft.batching.Batch`): waiting jobs join between rounds, each job's tokens are sent after every round, a
-finished or cancelled job's row is freed before the next round. With 1 it runs one job at a time through
+(`flashdraft.batching.Batch`): waiting jobs join between rounds, prefilled together (their first tokens are sent
+as soon as that prefill ends, before the round), each job's tokens are sent after every round, a finished or
+cancelled job's row is freed before the next forward. With 1 it runs one job at a time through
 `flashdraft.stream` (the serial worker, kept for comparison). The `Job` and event interface is the same for both.
 """
 
@@ -202,8 +203,7 @@ class Worker:
     def start(self) -> None:
         serve = self._serve
         if self.max_batch_size > 1:
-            self._batch = Batch(self.engine.target, self.engine.draft, block_size=self.engine.block_size,
-                                proposals=self.engine.proposals)
+            self._batch = self._new_batch()
             if self._batch.costs is not None:  # measured once per machine: before the first request, not during it
                 size = 1
                 while size < self.max_batch_size:
@@ -265,47 +265,61 @@ class Worker:
             return [self._waiting.popleft() for _ in range(min(most, len(self._waiting)))]
 
     def _serve_batched(self) -> None:
-        batch, running = self._batch, self.batched
+        running = self.batched
         while (jobs := self._take(self.max_batch_size - len(running), wait=not running)) is not None:
             for job in jobs:
-                self._join(batch, job)
-            for sequence, entry in list(running.items()):  # a gone client's row is freed before this round
-                if entry.job.cancelled.is_set():
-                    batch.cancel(sequence)
-                    del running[sequence]
-                    self._count("cancelled")
-                    entry.job.push(Cancelled())
-            if not running:
-                continue
-            try:
-                emitted = batch.step()
-            except Exception as error:  # a failed round fails its jobs, never the worker
-                logger.exception("generation failed")
-                for entry in running.values():
-                    self._count("failed")
-                    entry.job.push(Failed(f"generation failed: {error}"))
-                running.clear()
-                batch = self._batch = Batch(self.engine.target, self.engine.draft, block_size=self.engine.block_size,
-                                            proposals=self.engine.proposals)
-                continue
-            for sequence, tokens in emitted:
-                entry = running.get(sequence)
-                if entry is None:
-                    continue
-                delta, stopped = entry.text.add(tokens)
-                if delta:
-                    entry.job.push(TextDelta(delta))
-                if stopped:  # a stop string: the row goes at the next step
-                    batch.cancel(sequence)
-                    self._finish(running.pop(sequence), "stop", sequence.result)
-                elif sequence.result.stop_reason is not None:
-                    tail = entry.text.finish()
-                    if tail:
-                        entry.job.push(TextDelta(tail))
-                    self._finish(running.pop(sequence), sequence.result.stop_reason, sequence.result)
+                self._join(self._batch, job)
+            # The joiners' first tokens go out as soon as their prefill ends, before the round.
+            for phase in (Batch.prefill, Batch.decode):
+                self._free_departed()  # a gone client's row is freed before the forward (and at once when idle)
+                if not running:
+                    break
+                try:
+                    emitted = phase(self._batch)
+                except Exception as error:  # a failed forward fails its jobs, never the worker
+                    logger.exception("generation failed")
+                    for entry in running.values():
+                        self._count("failed")
+                        entry.job.push(Failed(f"generation failed: {error}"))
+                    running.clear()
+                    self._batch = self._new_batch()
+                    break
+                self._send(emitted)
         for entry in running.values():  # stopping: what runs is answered, as the serial worker does
             entry.job.push(Failed(SHUTTING_DOWN, code="shutting_down"))
         running.clear()
+
+    def _new_batch(self) -> Batch:
+        return Batch(self.engine.target, self.engine.draft, block_size=self.engine.block_size,
+                     proposals=self.engine.proposals)
+
+    def _free_departed(self) -> None:
+        """Jobs whose client is gone leave the batch (their rows freed) and are answered `Cancelled`."""
+        for sequence, entry in list(self.batched.items()):
+            if entry.job.cancelled.is_set():
+                self._batch.cancel(sequence)
+                del self.batched[sequence]
+                self._count("cancelled")
+                entry.job.push(Cancelled())
+
+    def _send(self, emitted: list[tuple[BatchSequence, list[int]]]) -> None:
+        """Each job's new text; a finished job's last text and `Finished`."""
+        running = self.batched
+        for sequence, tokens in emitted:
+            entry = running.get(sequence)
+            if entry is None:
+                continue
+            delta, stopped = entry.text.add(tokens)
+            if delta:
+                entry.job.push(TextDelta(delta))
+            if stopped:  # a stop string: the row goes now
+                self._batch.cancel(sequence)
+                self._finish(running.pop(sequence), "stop", sequence.result)
+            elif sequence.result.stop_reason is not None:
+                tail = entry.text.finish()
+                if tail:
+                    entry.job.push(TextDelta(tail))
+                self._finish(running.pop(sequence), sequence.result.stop_reason, sequence.result)
 
     def _join(self, batch: Batch, job: Job) -> None:
         try:

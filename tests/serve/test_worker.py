@@ -268,3 +268,43 @@ def test_the_batched_worker_answers_each_job_as_the_serial_one_does(engine):
 def test_max_batch_size_is_checked(engine):
     with pytest.raises(ValueError, match="max_batch_size"):
         Worker(engine, max_queue=4, max_batch_size=0)
+
+
+def test_departed_clients_free_their_rows_and_the_memory_stays_flat(engine):
+    """Three rounds of streams whose clients leave after their first text: every row is freed (in the batch, its
+    prefill and the draft's cache) and the caches hold no more memory after the third round than after the first."""
+
+    def allocated(batch):
+        caches = (batch.cache.engine_cache, batch.prefill_cache.engine_cache)
+        return [cache.keys.numel() if cache is not None and cache.keys is not None else 0 for cache in caches] + [
+            len(batch.cache.caches), len(batch.prefill_cache.caches)]
+
+    async def main():
+        worker = Worker(engine, max_queue=8, max_batch_size=4)
+        worker.start()
+        sizes = []
+        try:
+            for round_ in range(3):
+                jobs = [job([5 + round_, 6 + i, 7], max_tokens=400) for i in range(6)]  # 2 of them wait at first
+                for j in jobs:
+                    worker.submit(j)
+                for j in jobs:
+                    assert isinstance(await asyncio.wait_for(j.events.get(), 60), TextDelta)
+                    worker.cancel(j)
+                for j in jobs:
+                    assert (await collect(j, timeout=10))[1] == Cancelled()
+                for _ in range(500):
+                    if worker.running_count == 0 and len(worker._batch) == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                batch = worker._batch
+                assert worker.running_count == 0 and len(batch) == 0
+                assert len(batch.cache) == len(batch.prefill_cache) == 0
+                assert batch.draft_cache is None or batch.draft_cache.lengths == []
+                sizes.append(allocated(batch))
+            return sizes, worker.cancelled
+        finally:
+            worker.stop()
+
+    sizes, cancelled = asyncio.run(main())
+    assert sizes[0] == sizes[1] == sizes[2] and cancelled == 18
