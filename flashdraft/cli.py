@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "flashdraft.commands.models",
     "flashdraft.commands.serve",
     "flashdraft.commands.bench",
+    "flashdraft.commands.bench_serve",
     "flashdraft.commands.train",
 )
 

@@ -28,7 +28,7 @@ def register(subparsers) -> None:
         description=(
             "Serve a target model with speculative decoding over an OpenAI-compatible API: GET /v1/models, "
             "POST /v1/chat/completions, POST /v1/completions (streaming with \"stream\": true) and GET /health. "
-            "Requests wait in a bounded queue and are decoded one at a time."
+            "Requests wait in a bounded queue; up to --max-batch-size of them are decoded together, round by round."
         ),
     )
     parser.add_argument(
