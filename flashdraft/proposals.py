@@ -12,11 +12,14 @@ A round of size s yields E(s) = 1 + a_1 + a_1 a_2 + ... tokens, where a_k is the
 given that the ones before it were, taken from the source that proposes position k; its cost is the target's
 forward over s tokens plus the draft's pass in rounds that run it, both measured once per machine
 (`flashdraft.adaptive.cached_costs`). The a_k are tracked per source and position as decayed counts, the lookup's
-also per match length n (a longer match predicts better). The lookup is scored in every round it had a
-continuation, used or not: its proposals are deterministic, so the chance that proposal k would have been accepted
-is the chance that the target's token there is the proposed one, and the round's verified tokens show that, for
-the greedy and the sampled rule alike. The draft is scored where its tokens were verified; while it does not pay,
-a probe round runs it after 32 rounds without it, then 64, 128, ... (as `flashdraft.adaptive` does).
+also per match length n (a longer match predicts better). The lookup is scored on every continuation it found,
+used or not, and over its whole length: its proposals are deterministic, so the chance that proposal k would have
+been accepted is the chance that the target's token there is the proposed one, and the verified sequence shows
+that, for the greedy and the sampled rule alike. A continuation is scored once the sequence has shown its first
+miss (or all of it), in later rounds if need be; scoring only what a round verified would leave the positions past
+short rounds at their prior for good, and the estimates would keep the rounds short. The draft is scored where its
+tokens were verified; while it does not pay, a probe round runs it after 32 rounds without it, then 64, 128, ...
+(as `flashdraft.adaptive` does).
 
 Sampling stays exact: a lookup token is a draw from a one-hot q (`lookup_q`), which the rejection rule accepts with
 probability p(token) and otherwise resamples from p without it; the draft's tokens are drawn from its own q. Every
@@ -282,6 +285,7 @@ class HybridProposer:
         self.draft_observed = False
         self.rounds_without_draft, self.probe_interval = 0, FIRST_PROBE_INTERVAL
         self.round: tuple[list[int], int, Plan] | None = None  # this round's continuation, its match length, plan
+        self.unscored: list[tuple[list[int], int, list[int]]] = []  # continuations, match lengths, tokens since
 
     @torch.no_grad()
     def propose(self, anchor, context, start, block_size, size, params=GREEDY, generator=None):
@@ -362,14 +366,28 @@ class HybridProposer:
         """`Proposer.observe`: the tokens join the index; the round's sources are scored."""
         self.index.extend(tokens)
         if self.round is None:  # the prefill, or a round the loop verified without proposals
+            self.score_continuations(tokens)
             return []
         (continuation, n, plan), self.round = self.round, None
         accepted = len(tokens) - 1
-        if continuation:  # scored whether used or not: see the module docstring
-            compared = min(len(continuation), len(tokens))
-            matched = next((k for k in range(compared) if continuation[k] != tokens[k]), compared)
-            self.lookup_acceptance[n].observe(0, compared, matched)
+        if continuation:  # scored whether used or not, and over its whole length: see the module docstring
+            self.unscored.append((continuation, n, []))
+        self.score_continuations(tokens)
         if plan.draft:
             self.draft_acceptance.observe(plan.lookup, plan.size - 1, accepted)
             self.draft_observed = True
         return plan.sources()[:accepted]
+
+    def score_continuations(self, tokens: list[int]) -> None:
+        """The verified `tokens` extend what follows every continuation not scored yet; those whose first miss (or
+        whole length) the sequence now shows are scored."""
+        waiting = []
+        for continuation, n, since in self.unscored:
+            since.extend(tokens)
+            compared = min(len(continuation), len(since))
+            matched = next((k for k in range(compared) if continuation[k] != since[k]), compared)
+            if matched < compared or compared == len(continuation):
+                self.lookup_acceptance[n].observe(0, len(continuation), matched)
+            else:
+                waiting.append((continuation, n, since))
+        self.unscored = waiting

@@ -228,6 +228,26 @@ def test_the_lookup_is_scored_in_rounds_that_did_not_use_it():
     assert proposer.lookup_acceptance[2].rates()[2] < 0.5 < proposer.lookup_acceptance[2].rates()[0]
 
 
+def test_a_continuation_is_scored_past_a_short_round_once_later_rounds_show_it():
+    proposer = hybrid(with_draft=False, max_size=8)
+    proposer.begin(64)
+    proposer.observe([5, 6, 7, 8, 9, 4, 5, 6])  # the prompt and the first token: `5 6` continues 7 8 9 4 5 6 7
+    set_rates(proposer.lookup_acceptance[2], 0.6)
+    proposer.prepare(None, 8)
+    proposer.round = (proposer.round[0], proposer.round[1], Plan(1, 2, False))  # a short round: one proposal
+    continuation = proposer.round[0]
+    assert continuation == [7, 8, 9, 4, 5, 6, 7]
+    before = list(proposer.lookup_acceptance[2].tested)
+    proposer.observe([7, 8])  # its proposal 7 accepted, 8 the target's: positions 0-1 known, nothing scored yet
+    assert proposer.lookup_acceptance[2].tested == before and len(proposer.unscored) == 1
+    proposer.observe([9, 4, 5, 1])  # later rounds: the continuation held for five tokens, then 1 against 6
+    tested = [after - 0.97 * earlier for after, earlier in zip(proposer.lookup_acceptance[2].tested, before)]
+    accepted = [after - 0.97 * 60.0 for after in proposer.lookup_acceptance[2].accepted]
+    assert tested == pytest.approx([1, 1, 1, 1, 1, 1, 0])  # every position up to the first miss, though the
+    assert accepted == pytest.approx([1, 1, 1, 1, 1, 0, 0])  # round that found it verified only two
+    assert proposer.unscored == []
+
+
 def test_unknown_or_impossible_proposals_are_refused():
     target = TARGETS["llama"]
     with pytest.raises(ValueError, match="proposals must be one of"):
