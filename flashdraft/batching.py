@@ -3,11 +3,12 @@
 A `Batch` holds sequences of different lengths, each with its own budget, stop tokens, sampling parameters and
 generator. `add` queues a prompt at any time; `step` runs a prefill and a round (`prefill`, then `decode`):
 
-1. Prefill: the queued sequences are prefilled together, in one target forward over every row's next chunk of
-   prompt (`TargetModel.prefill_rows`, rows of different lengths in a `RowCache` of their own). A step prefills
-   at most `prefill_tokens` tokens (rows x widest chunk), so a long prompt is prefilled in chunks over several
-   steps and never stalls the running rows for long. A sequence whose prompt is done gets its first token from the
-   logits after its last prompt token, and its row moves into the batch's `RowCache` (one row copied).
+1. Prefill: half of the queued sequences (at least one) join those being prefilled, and all are prefilled
+   together, in one target forward over every row's next chunk of prompt (`TargetModel.prefill_rows`, rows of
+   different lengths in a `RowCache` of their own). A step prefills at most `prefill_tokens` tokens (rows x
+   widest chunk), so a long prompt is prefilled in chunks over several steps and never stalls the running rows for
+   long. A sequence whose prompt is done gets its first token from the logits after its last prompt token, and its
+   row moves into the batch's `RowCache` (one row copied).
 2. Propose: each row's proposer (`HybridProposer`: the lookup, the draft or both) plans its round with the
    target's verify costs measured at this batch size (`flashdraft.adaptive.BatchCosts`); the draft then drafts every
    row whose plan drafts in one pass (`DFlashProposer.logits_rows`; a row's first draft context is its prompt's
@@ -51,9 +52,9 @@ from .proposals import LOOKUP_BLOCK_SIZE, DFlashProposer, HybridProposer
 from .sampling import SamplingParams, check_seed
 from .target import TargetModel
 
-# Prompt tokens one step prefills at most (rows x widest chunk): on this 2-core CPU about the cost of a few rounds of
-# 16 rows (SmolLM2-135M), enough for 16 chat prompts of ~40 tokens at once.
-DEFAULT_PREFILL_TOKENS = 1024
+# Prompt tokens one step prefills at most (rows x widest chunk), which bounds how long a step's prefill stalls the
+# running rows: on this 2-core CPU about a second for SmolLM2-135M (some 2 ms a token), a dozen chat prompts.
+DEFAULT_PREFILL_TOKENS = 512
 
 
 @dataclass(eq=False)  # a sequence is itself: a batch finds it by identity
@@ -172,12 +173,17 @@ class Batch:
         return self.prefill() + self.decode()
 
     def prefill(self) -> list[tuple[BatchSequence, list[int]]]:
-        """1. One forward over the next chunk of every sequence being prefilled, the queued ones joining them as
-        far as `prefill_tokens` allows. Returns the first token of each sequence whose prompt is done (it runs in
-        the next `decode`, unless that token ended it); nothing when none waits."""
+        """1. One forward over the next chunk of every sequence being prefilled, half of the queued ones joining
+        them (as far as `prefill_tokens` allows). Returns the first token of each sequence whose prompt is done
+        (it runs in the next `decode`, unless that token ended it); nothing when none waits."""
         emitted = []
-        while self.waiting and len(self.prefilling) < self.prefill_tokens:
+        # Half of the queue joins (at least one): under a burst of requests the first half has its first token
+        # after one forward, instead of all of them after one forward twice as long (half the burst's median time
+        # to first token, and the prompts still share forwards); the rest join at the next step.
+        joining = (len(self.waiting) + 1) // 2
+        while joining and len(self.prefilling) < self.prefill_tokens:
             row = self.waiting.pop(0)
+            joining -= 1
             if row.max_new_tokens == 0:
                 row.sequence.result.stop_reason = "length"
                 emitted.append((row.sequence, []))

@@ -111,6 +111,25 @@ def test_prompts_prefilled_together_in_chunks_give_each_row_its_own_tokens(arch,
         assert sequence.result.tokens == alone.tokens
 
 
+def test_half_of_a_burst_is_prefilled_at_each_step_in_one_forward(monkeypatch):
+    """Eight prompts at once: the first four share one prefill forward and have their first token after it (before
+    any round), then two, one and one join while the others decode."""
+    target = on_engine("llama", "flashdraft")
+    batch = Batch(target, DRAFTS["llama"])
+    forwards = []
+    prefill_rows = target.prefill_rows
+    monkeypatch.setattr(target, "prefill_rows", lambda chunks, *rest: forwards.append(len(chunks)) or prefill_rows(
+        chunks, *rest))
+    sequences = [batch.add([5 + i, 6, 7], max_new_tokens=10) for i in range(8)]
+    first = batch.prefill()
+    assert [sequence for sequence, tokens in first] == sequences[:4] and all(len(t) == 1 for _, t in first)
+    assert all(not sequence.result.acceptance_lengths for sequence in sequences)  # no round yet
+    batch.decode()
+    while batch.waiting:
+        batch.step()
+    assert forwards == [4, 2, 1, 1]
+
+
 def test_a_cancelled_sequence_frees_its_row_and_its_memory():
     """Disconnecting clients, round after round: a cancelled sequence's row leaves at once, whether it was
     running, being prefilled or waiting, and the caches' memory stays what the first round allocated."""
@@ -123,9 +142,9 @@ def test_a_cancelled_sequence_frees_its_row_and_its_memory():
         return (engine_cache.keys.numel(), batch.prefill_cache.engine_cache.keys.numel(),
                 batch.draft_cache.keys.numel())
 
-    sizes = []
-    for _ in range(3):
-        sequences = [batch.add(prompt, max_new_tokens=100) for prompt in random_prompts(rng, 12)]
+    sizes, prompts = [], random_prompts(rng, 12)
+    for _ in range(3):  # the same clients each round: a leak would show as growth
+        sequences = [batch.add(prompt, max_new_tokens=100) for prompt in prompts]
         for _ in range(3):
             batch.step()
         assert batch.rows and batch.prefilling  # some run, some are still being prefilled
@@ -232,8 +251,9 @@ def test_a_batch_plans_with_the_costs_measured_at_its_size(monkeypatch):
     monkeypatch.setattr(batch.costs, "at", at)
     for prompt in ([5, 6, 7], [8, 9], [10], [11, 12]):
         batch.add(prompt, max_new_tokens=6)
-    batch.step()
-    assert seen == [4] and all(row.proposer.costs == original(4) for row in batch.rows)
+    while batch.waiting:  # half of the queue joins at each step
+        batch.step()
+    assert seen == [2, 3, 4] and all(row.proposer.costs == original(4) for row in batch.rows)
     assert original(1) == batch.costs.single
     whole, (row, draft_seconds) = batch.costs.batch_costs(4), original(4)
     assert row(1) == pytest.approx(whole(1) / 4)
