@@ -146,9 +146,10 @@ def failing_stream(*args, **kwargs):
 
 @pytest.fixture
 def failing_generation(monkeypatch):
-    """Decoding fails, in the serial worker's stream and in the batched worker's rounds alike."""
+    """Decoding fails, in the serial worker's stream and in the batched worker's forwards alike."""
     monkeypatch.setattr(worker_module, "stream", failing_stream)
-    monkeypatch.setattr(worker_module.Batch, "step", failing_stream)
+    monkeypatch.setattr(worker_module.Batch, "prefill", failing_stream)
+    monkeypatch.setattr(worker_module.Batch, "decode", failing_stream)
 
 
 def test_a_failed_generation_is_500_with_a_code(address, failing_generation):
