@@ -19,9 +19,11 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from .engine import interleaved_seconds
 from .files import write_atomic
 from .sampling import SamplingParams
 from .target import TargetModel, synchronize
@@ -51,26 +53,24 @@ class VerifyCosts:
 def measure_verify_costs(
     target: TargetModel, max_size: int, context_length: int = 128, repeats: int = 5, every_size: bool = False
 ) -> VerifyCosts:
-    """Time target forwards of each size up to `max_size` after a cached context (median of `repeats`): the
-    sizes of `MEASURED_SIZES`, or every size from 1 with `every_size` (the full cost curve)."""
+    """Time target forwards of each size up to `max_size` after a cached context: the sizes of `MEASURED_SIZES`,
+    or every size from 1 with `every_size` (the full cost curve). The sizes run in turns, and each keeps its least
+    time over `repeats` turns: other processes only ever add time, and measured one size after another a change of
+    load in between would bend the curve (seen here: a 2-token round priced above a 3-token one)."""
     measured = range(1, max_size + 1) if every_size else MEASURED_SIZES
     sizes = sorted({n for n in measured if n <= max_size} | {max_size})
     ids = torch.randint(0, target.vocab_size, (1, context_length + max_size), device=target.device)
     positions = torch.arange(context_length + max_size, device=target.device)[None]
     cache = target.new_cache()
     target.forward(ids[:, :context_length], positions[:, :context_length], cache, None, logits_to_keep=1)
-    seconds = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats + 1):  # the first run of each size warms up
-            synchronize(target.device)
-            began = time.perf_counter()
-            window = slice(context_length, context_length + n)
-            target.forward(ids[:, window], positions[:, window], cache, None)
-            synchronize(target.device)
-            times.append(time.perf_counter() - began)
-            target.rollback(cache, n)
-        seconds[n] = statistics.median(times[1:])
+
+    def verify(n: int) -> None:
+        window = slice(context_length, context_length + n)
+        target.forward(ids[:, window], positions[:, window], cache, None)
+        synchronize(target.device)
+        target.rollback(cache, n)
+
+    seconds = interleaved_seconds({n: partial(verify, n) for n in sizes}, repeats)
     return VerifyCosts(seconds)
 
 
@@ -142,6 +142,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "max_size": max_size,
+            "measured": "interleaved, least",  # how: costs measured otherwise before are measured again
             **({"batch_size": batch_size} if batch_size > 1 else {}),  # batch size 1 keeps its earlier files
         },
         sort_keys=True,
