@@ -1,6 +1,7 @@
 """Bad input gets an error that names the problem (and, where there is one, the fix)."""
 
 import pytest
+import torch
 
 import flashdraft
 
@@ -87,9 +88,12 @@ def test_prompt_plus_new_tokens_beyond_the_target_positions():
     assert len(generate(max_new_tokens=61).tokens) == 61  # the exact limit is fine
 
 
-def test_batched_prompt_is_refused():
+def test_batched_prompt_is_refused_where_one_sequence_is_expected():
+    # `generate` decodes several prompts together (a batch); `stream` follows one sequence.
     with pytest.raises(ValueError, match=r"batch size 1\), got shape \[2, 3\]"):
-        generate(prompt=[[1, 2, 3], [4, 5, 6]])
+        next(iter(flashdraft.stream(TARGET, DRAFT, [[1, 2, 3], [4, 5, 6]], max_new_tokens=4)))
+    with pytest.raises(ValueError, match=r"batch size 1\), got shape \[2, 1, 3\]"):
+        flashdraft.generate(TARGET, DRAFT, torch.tensor([[[1, 2, 3]], [[4, 5, 6]]]), max_new_tokens=4)
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
