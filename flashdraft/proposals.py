@@ -45,6 +45,10 @@ PROPOSAL_MODES = ("hybrid", "dflash", "lookup")
 LOOKUP_BLOCK_SIZE = 16  # the most tokens a lookup round verifies when there is no draft to take the size from
 DECAY = 0.97  # per scored round: acceptance estimates follow the text as it changes
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 32, 512
+# Among options expected within this share of the best tokens per second, the longest round: the estimates are
+# only estimates, a longer round costs next to nothing more where verification is cheap, and it shows more of the
+# sources' acceptance.
+NEAR_BEST = 0.97
 
 
 class Proposer(Protocol):
@@ -343,7 +347,9 @@ class HybridProposer:
                 expected = expected_tokens(lookup_rates[:prefix] + draft_rates[prefix:])
                 for s in range(prefix + 2, size + 1):
                     options.append((expected[s - 1] / (verify(s) + draft_seconds), Plan(prefix, s, True)))
-        plan = max(options, key=lambda option: option[0])[1]
+        best = max(value for value, _ in options)
+        near_best = [plan for value, plan in options if value >= NEAR_BEST * best]
+        plan = max(near_best, key=lambda plan: plan.size)
         if self.dflash is None or plan.draft:
             self.rounds_without_draft, self.probe_interval = 0, FIRST_PROBE_INTERVAL
             return plan
