@@ -192,8 +192,9 @@ class RowDraftCache:
 
     def remove_row(self, row: int) -> None:
         last = len(self.lengths) - 1
-        if row != last and self.keys is not None:
-            length = self.lengths[last]
+        length = self.lengths[last]
+        # A row that never drafted holds nothing, and may lie past the rows allocated (they grow in passes).
+        if row != last and length:
             self.keys[:, row, :, :length] = self.keys[:, last, :, :length]
             self.values[:, row, :, :length] = self.values[:, last, :, :length]
         self.lengths[row] = self.lengths[last]

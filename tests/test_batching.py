@@ -158,6 +158,25 @@ def test_a_cancelled_sequence_frees_its_row_and_its_memory():
     assert sizes[0] == sizes[1] == sizes[2]
 
 
+def test_a_row_that_never_drafted_can_take_a_leaver_s_place():
+    """Rows join the draft's cache between its passes: the last row, not yet drafted (past the rows the cache
+    has allocated), moves into a leaver's place with nothing to copy."""
+    target, draft = on_engine("llama", "flashdraft"), DRAFTS["llama"]
+    batch = Batch(target, draft, block_size=4, proposals="dflash")
+    first = [batch.add([5, 6, 7], max_new_tokens=20), batch.add([8, 9], max_new_tokens=20)]
+    while batch.waiting:
+        batch.step()  # both rows drafted
+    late = batch.add([10, 11, 12], max_new_tokens=20)
+    batch.prefill()  # joins, not drafted yet
+    assert batch.draft_cache.keys.shape[1] == 2 and batch.draft_cache.lengths[2] == 0
+    batch.cancel(first[0])
+    assert batch.draft_cache.lengths[0] == 0 and [row.sequence for row in batch.rows] == [late, first[1]]
+    while batch:
+        batch.step()
+    assert late.result.tokens == generate_alone(target, draft, [10, 11, 12], max_new_tokens=20, block_size=4,
+                                                proposals="dflash").tokens
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_sequences_join_and_leave_between_rounds(arch):
     """Continuous batching: sequences are added while others run, some are cancelled mid-way (their rows freed at
