@@ -271,12 +271,12 @@ class Worker:
                 self._join(self._batch, job)
             # The joiners' first tokens go out as soon as their prefill ends, before the round.
             for phase in (Batch.prefill, Batch.decode):
-                self._free_departed()  # a gone client's row is freed before the forward (and at once when idle)
-                if not running:
-                    break
                 try:
-                    emitted = phase(self._batch)
-                except Exception as error:  # a failed forward fails its jobs, never the worker
+                    self._free_departed()  # a gone client's row is freed before the forward (and at once when idle)
+                    if not running:
+                        break
+                    self._send(phase(self._batch))
+                except Exception as error:  # a failure fails the running jobs, never the worker
                     logger.exception("generation failed")
                     for entry in running.values():
                         self._count("failed")
@@ -284,7 +284,6 @@ class Worker:
                     running.clear()
                     self._batch = self._new_batch()
                     break
-                self._send(emitted)
         for entry in running.values():  # stopping: what runs is answered, as the serial worker does
             entry.job.push(Failed(SHUTTING_DOWN, code="shutting_down"))
         running.clear()

@@ -308,3 +308,41 @@ def test_departed_clients_free_their_rows_and_the_memory_stays_flat(engine):
 
     sizes, cancelled = asyncio.run(main())
     assert sizes[0] == sizes[1] == sizes[2] and cancelled == 18
+
+
+def test_a_failure_outside_the_forwards_fails_the_jobs_not_the_batched_worker(engine, monkeypatch):
+    """Freeing a departed client's row failed once (a bug since fixed): the running jobs are answered Failed and the
+    next job is served, where the worker thread had died and every later request waited forever."""
+    from flashdraft.batching import Batch
+
+    calls = []
+    cancel = Batch.cancel
+
+    def failing_once(batch, sequence):
+        calls.append(sequence)
+        if len(calls) == 1:
+            raise IndexError("index 2 is out of bounds")
+        cancel(batch, sequence)
+
+    monkeypatch.setattr(Batch, "cancel", failing_once)
+
+    async def main():
+        worker = Worker(engine, max_queue=4, max_batch_size=4)
+        worker.start()
+        try:
+            leaving, staying = job([7, 8], max_tokens=400), job([9, 10], max_tokens=400)
+            worker.submit(leaving)
+            worker.submit(staying)
+            for j in (leaving, staying):
+                assert isinstance(await asyncio.wait_for(j.events.get(), 60), TextDelta)
+            worker.cancel(leaving)
+            _, failure = await collect(staying)
+            after = job([5], max_tokens=2)
+            worker.submit(after)
+            return failure, await collect(after)
+        finally:
+            worker.stop()
+
+    failure, (_, finished) = asyncio.run(main())
+    assert isinstance(failure, Failed) and "out of bounds" in failure.message
+    assert isinstance(finished, Finished) and finished.completion_tokens == 2
