@@ -193,6 +193,8 @@ class BatchCosts:
 
     def at(self, batch_size: int) -> tuple[VerifyCosts, float]:
         """(a row's verify costs, its draft pass) in a batch of `batch_size` rows."""
+        if batch_size == 1:  # the single sequence's own, as measured (the widening below clamps a dip in the curve)
+            return self.single
         if batch_size not in self.rows:
             whole = self.batch_costs(batch_size)
             base = whole(1)
