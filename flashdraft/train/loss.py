@@ -32,6 +32,11 @@ from .blocks import IGNORE, BlockBatch, TrainingSequence
 DEFAULT_CHUNK = 1024  # positions per pass through the head: [chunk, V] float32 logits, 200 MB at V = 49k
 
 
+# The least weight a block position gets under acceptance weights (relative to the largest): enough that a position
+# still learns while the ones before it are rarely accepted.
+ACCEPTANCE_WEIGHT_FLOOR = 0.05
+
+
 def default_gamma(block_size: int) -> float:
     """The position-weight decay: the line through the published (B=8, 4) and (B=16, 7)."""
     return 4.0 + 3.0 * (block_size - 8) / 8
@@ -42,6 +47,24 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     if gamma <= 0:
         raise ValueError(f"gamma must be positive, got {gamma}")
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def acceptance_weights(accuracy: Sequence[float], floor: float = ACCEPTANCE_WEIGHT_FLOOR) -> torch.Tensor:
+    """[B-1] weights of block positions k = 1..B-1 in proportion to what each adds to the expected accepted length.
+
+    With per-position accuracies a_k, a round accepts E = a_1 + a_1 a_2 + a_1 a_2 a_3 + ... tokens (taking the
+    positions as independent), so dE/da_k = (a_1 ... a_{k-1}) (1 + a_{k+1} + a_{k+1} a_{k+2} + ...): a position
+    is worth training only as far as the ones before it are accepted. Scaled to a largest weight of 1 and floored
+    at `floor`, so the later positions keep learning until the earlier ones reach them."""
+    a = torch.as_tensor(accuracy, dtype=torch.float64).clamp(0.0, 1.0)
+    if a.ndim != 1 or a.numel() == 0:
+        raise ValueError(f"acceptance weights need one accuracy per block position, got shape {tuple(a.shape)}")
+    before = torch.cumprod(torch.cat([a.new_ones(1), a[:-1]]), dim=0)  # a_1 ... a_{k-1}
+    after = torch.ones_like(a)  # 1 + a_{k+1} + a_{k+1} a_{k+2} + ...
+    for k in range(a.numel() - 2, -1, -1):
+        after[k] = 1.0 + a[k + 1] * after[k + 1]
+    weights = before * after
+    return (weights / weights.max()).clamp(min=floor).float()
 
 
 @dataclass

@@ -50,6 +50,7 @@ PROMPTS_FILE = "prompts.jsonl"
 PROMPT_SETTINGS = "prompts.json"  # a work folder holds the data of one prompt set: the one these settings make
 PROMPTS_LOCK = ".prompts.lock"
 LABEL_KINDS = ("regenerate", "teacher-forced")
+LOSS_WEIGHTINGS = ("decay", "acceptance")
 HELDOUT_SET = "heldout"
 
 
@@ -156,6 +157,10 @@ class PipelineConfig:
     gamma: float | None = setting(
         None, "loss weight decay over block positions, exp(-(k-1)/gamma)", shown="7 at block 16, 4 at block 8",
         type=float)
+    loss_weights: str = setting(
+        "decay", "how the loss weighs block positions: decay = exp(-(k-1)/gamma); acceptance = by what each position "
+        "adds to the expected accepted length under the draft's running per-position accuracy (later positions "
+        "count as far as the earlier ones are accepted; floored at 0.05)", choices=LOSS_WEIGHTINGS)
     lr: float = setting(6e-4, "peak AdamW learning rate")
     warmup_ratio: float = setting(0.04, "share of the steps with a linear warmup")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -229,8 +234,8 @@ class PipelineConfig:
         from .trainer import TrainConfig
 
         return TrainConfig(
-            num_anchors=self.num_anchors, gamma=self.gamma, learning_rate=self.lr, warmup_ratio=self.warmup_ratio,
-            weight_decay=self.weight_decay, epochs=self.epochs, max_steps=self.max_steps, batch_size=self.batch_size,
+            num_anchors=self.num_anchors, gamma=self.gamma, loss_weights=self.loss_weights, learning_rate=self.lr,
+            warmup_ratio=self.warmup_ratio, weight_decay=self.weight_decay, epochs=self.epochs, max_steps=self.max_steps, batch_size=self.batch_size,
             grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, distill_weight=self.distill_weight,
             loss_chunk=self.loss_chunk, checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints, eval_every=self.eval_every,
@@ -702,7 +707,8 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
             "data": counts,
             "labels": "; ".join(kinds[kind] for kind in config.label_kinds()),
             "settings": {"feature storage": config.features, "anchors per sequence": config.num_anchors,
-                         "gamma": trainer.gamma, "distillation weight": config.distill_weight,
+                         "gamma": trainer.gamma, "loss weights": config.loss_weights,
+                         "distillation weight": config.distill_weight,
                          "global batch (sequences)": trainer.global_batch, "peak learning rate": config.lr},
             "command": command,
         }

@@ -46,8 +46,8 @@ from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, check_training_block_size, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
 from .features import FeatureSource
-from .loss import DraftVocabulary, block_loss, block_targets, default_gamma, position_weights
-from .pipeline import PipelineConfig
+from .loss import DraftVocabulary, acceptance_weights, block_loss, block_targets, default_gamma, position_weights
+from .pipeline import LOSS_WEIGHTINGS, PipelineConfig
 from .records import ensure_free_space
 
 CHECKPOINT_DIR = "checkpoints"
@@ -55,6 +55,7 @@ CHECKPOINT_FORMAT = 2  # 2: read with weights_only=True, checksum beside it (1, 
 CHECKPOINT_KEYS = {"draft", "optimizer", "scheduler", "step", "elapsed", "rng", "evaluations", "best", "fingerprint"}
 BEST_DIR = "best"
 METRICS_FILE = "metrics.jsonl"
+RUNNING_STEPS = 20  # steps the running per-position accuracy averages over (exponentially)
 EVAL_BATCH = 8  # evaluation prompts per batch of target answers
 HELDOUT_SEED = -1  # the anchors of held-out sequences are drawn once, the same at every evaluation
 
@@ -67,6 +68,7 @@ class TrainConfig:
 
     num_anchors: int = PipelineConfig.num_anchors  # blocks per training sequence, redrawn every epoch
     gamma: float | None = PipelineConfig.gamma  # position-weight decay; None: 7 at block size 16, 4 at 8
+    loss_weights: str = PipelineConfig.loss_weights  # "decay" (by gamma) or "acceptance" (by the running accuracy)
     learning_rate: float = PipelineConfig.lr
     warmup_ratio: float = PipelineConfig.warmup_ratio  # share of the steps with a linear warmup
     weight_decay: float = PipelineConfig.weight_decay
@@ -98,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.learning_rate <= 0 or self.max_grad_norm <= 0:
             raise ValueError("learning_rate and max_grad_norm must be positive")
+        if self.loss_weights not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weights must be one of {', '.join(LOSS_WEIGHTINGS)}, got {self.loss_weights!r}")
         if not 0 <= self.distill_weight <= 1:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
 
@@ -295,6 +299,9 @@ class Trainer:
         self.head_bias = head.bias.detach() if head.bias is not None else None
         self.gamma = config.gamma or default_gamma(draft.block_size)
         self.position_weights = position_weights(draft.block_size, self.gamma)
+        # Per-position accuracy over recent steps (an average over RUNNING_STEPS), for loss_weights="acceptance";
+        # until the first step has measured it, the decay weights apply.
+        self.running_accuracy: list[float] | None = None
         self.model = draft
         if torch.distributed.is_initialized():
             device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
@@ -378,7 +385,7 @@ class Trainer:
         prepared = []
         for sequences in micro:
             batch = self._blocks(sequences, epoch)
-            targets = block_targets(batch, self.position_weights, self.vocabulary, self.config.distill_weight)
+            targets = block_targets(batch, self._position_weights(), self.vocabulary, self.config.distill_weight)
             prepared.append((sequences, batch, targets))
         # Normalise by the loss weight of the whole global batch (DDP averages gradients over processes, hence the
         # world size): accumulation and the number of processes leave the gradient unchanged.
@@ -410,6 +417,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._track_accuracy(stats[3 : 3 + positions], stats[3 + positions :])
         return {
             "step": self.step,
             "loss": stats[0].item() / weight.item() if weight.item() > 0 else 0.0,
@@ -421,6 +429,21 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "seconds": time.perf_counter() - began,
         }
+
+    def _position_weights(self) -> torch.Tensor:
+        if self.config.loss_weights == "acceptance" and self.running_accuracy is not None:
+            return acceptance_weights(self.running_accuracy)
+        return self.position_weights
+
+    def _track_accuracy(self, correct: torch.Tensor, counted: torch.Tensor) -> None:
+        """Fold one step's global per-position accuracy into the running one (every process holds the same)."""
+        measured = torch.where(counted > 0, correct / counted.clamp(min=1), torch.nan)
+        if self.running_accuracy is None:
+            self.running_accuracy = torch.nan_to_num(measured, nan=0.0).tolist()
+            return
+        keep = 1.0 - 1.0 / RUNNING_STEPS
+        self.running_accuracy = [old if math.isnan(new) else keep * old + (1.0 - keep) * new
+                                 for old, new in zip(self.running_accuracy, measured.tolist())]
 
     @property
     def _reduce_device(self) -> torch.device:
@@ -605,6 +628,7 @@ class Trainer:
                 "evaluations": self.evaluations,
                 "best": self.best,
                 "fingerprint": self._fingerprint(),
+                "running_accuracy": self.running_accuracy,
             }
             folder = self.run_dir / CHECKPOINT_DIR
             folder.mkdir(parents=True, exist_ok=True)
@@ -660,6 +684,7 @@ class Trainer:
         self.elapsed = state["elapsed"]
         self.evaluations = state["evaluations"]
         self.best = state["best"]
+        self.running_accuracy = state.get("running_accuracy")  # absent in checkpoints of earlier versions
         _set_python_rng_state(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] and torch.cuda.is_available():

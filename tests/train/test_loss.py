@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from flashdraft.train.blocks import IGNORE, TrainingSequence, make_blocks
 from flashdraft.train.loss import (
+    ACCEPTANCE_WEIGHT_FLOOR,
     DraftVocabulary,
+    acceptance_weights,
     block_loss,
     block_targets,
     default_gamma,
@@ -74,6 +76,35 @@ def test_position_weights_and_default_gamma():
     assert math.isclose(weights[14].item(), math.exp(-14 / 7), rel_tol=1e-6)
     with pytest.raises(ValueError, match="gamma"):
         position_weights(16, 0.0)
+
+
+def test_acceptance_weights_are_each_positions_share_of_the_expected_accepted_length():
+    a = [0.5, 0.4, 0.2]
+    # E = a1 + a1 a2 + a1 a2 a3; dE/da1 = 1 + a2 + a2 a3 = 1.48, dE/da2 = a1 (1 + a3) = 0.6, dE/da3 = a1 a2 = 0.2
+    expected = torch.tensor([1.48, 0.6, 0.2]) / 1.48
+    assert torch.allclose(acceptance_weights(a, floor=0.0), expected, atol=1e-6)
+    # the same derivative, numerically
+    def accepted(acc):
+        total, product = 0.0, 1.0
+        for value in acc:
+            product *= value
+            total += product
+        return total
+    for k in range(3):
+        bumped = list(a)
+        bumped[k] += 1e-6
+        assert math.isclose((accepted(bumped) - accepted(a)) / 1e-6, expected[k].item() * 1.48, rel_tol=1e-4)
+
+
+def test_acceptance_weights_are_floored_and_follow_the_accuracy():
+    weak = acceptance_weights([0.1] * 15)
+    assert weak.shape == (15,) and weak[0] == 1.0
+    assert weak[2:].eq(ACCEPTANCE_WEIGHT_FLOOR).all()  # 0.1 * 0.1 < the floor: the later positions keep the floor
+    strong = acceptance_weights([0.9] * 15)
+    assert (strong[1:-1] > weak[1:-1]).all() and (strong >= ACCEPTANCE_WEIGHT_FLOOR).all()
+    assert torch.equal(acceptance_weights([0.0, 0.0]), torch.tensor([1.0, ACCEPTANCE_WEIGHT_FLOOR]))
+    with pytest.raises(ValueError, match="one accuracy per block position"):
+        acceptance_weights([])
 
 
 def sequence(ids, response_start, labels=None, topk=None, seq_id="s"):

@@ -18,7 +18,7 @@ from flashdraft.train import features as features_module
 from flashdraft.train import trainer as trainer_module
 from flashdraft.train.blocks import TrainingSequence
 from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store, check_feature_layers
-from flashdraft.train.loss import DraftVocabulary
+from flashdraft.train.loss import DraftVocabulary, acceptance_weights
 from flashdraft.train.records import TrainingRecord
 from flashdraft.train.trainer import TrainConfig, Trainer, _lr_factor, init_from_target, save_trained_draft
 from train.tiny_training import (  # noqa: F401
@@ -97,6 +97,40 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=2, max_steps=3, checkpoint_every=3)).train()
     with pytest.raises(ValueError, match="other settings.*global_batch"):
         make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=3, max_steps=3))
+
+
+def test_acceptance_loss_weights_follow_the_running_accuracy_and_resume(tmp_path):
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=6, checkpoint_every=3, learning_rate=3e-3,
+                         loss_weights="acceptance")
+    trainer = make_trainer(tmp_path, config=config)
+    assert torch.equal(trainer._position_weights(), trainer.position_weights)  # nothing measured yet: the decay
+    seen = []
+    original = trainer_module.block_targets
+
+    def recording(batch, weights, *args):
+        seen.append((weights.clone(), trainer.running_accuracy))
+        return original(batch, weights, *args)
+
+    trainer_module.block_targets = recording
+    try:
+        summary = trainer.train()
+    finally:
+        trainer_module.block_targets = original
+    assert summary.steps == 6 and len(seen) == 6 and len(trainer.running_accuracy) == trainer.draft.block_size - 1
+    assert seen[0][1] is None and torch.equal(seen[0][0], trainer.position_weights)
+    for weights_used, running in seen[1:]:
+        assert torch.equal(weights_used, acceptance_weights(running))
+    assert [running for _, running in seen[1:]] != [seen[1][1]] * 5  # the accuracy moves, and the weights with it
+    # the running accuracy is part of the checkpoint: a resumed run weighs its next step as the whole one does
+    resumed = make_trainer(tmp_path, config=config)
+    assert resumed.step == 6 and resumed.running_accuracy == trainer.running_accuracy
+
+
+def test_decay_loss_weights_never_change(tmp_path):
+    trainer = make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=2, max_steps=2))
+    trainer.train()
+    assert trainer.running_accuracy is not None
+    assert torch.equal(trainer._position_weights(), trainer.position_weights)
 
 
 def test_gradient_accumulation_equals_a_bigger_batch(tmp_path):
@@ -310,6 +344,8 @@ def test_bad_settings_are_refused():
         TrainConfig(distill_weight=1.5)
     with pytest.raises(ValueError, match="warmup_ratio"):
         TrainConfig(warmup_ratio=1.0)
+    with pytest.raises(ValueError, match="loss_weights must be one of decay, acceptance"):
+        TrainConfig(loss_weights="uniform")
 
 
 def test_cleanup_of_old_checkpoints(tmp_path):
