@@ -54,13 +54,19 @@ def replay_text(target: TargetModel, layer_ids: list[int], prompt: Sequence[int]
 
 
 @torch.no_grad()
-def replay(proposer: Proposer, text: ReplayText, block_size: int) -> list[int]:
+def replay(proposer: Proposer, text: ReplayText, block_size: int, draft_size: int | None = None) -> list[int]:
     """Acceptance lengths of the rounds the greedy loop runs on `text` at a fixed `block_size` with
-    max_new_tokens = the answer's length (the first token, from the prefill, is not a round)."""
+    max_new_tokens = the answer's length (the first token, from the prefill, is not a round). `draft_size`: the
+    block the draft runs (anchor and masks), by default the larger of `block_size` and the draft's own, as the
+    loop runs it; a smaller one (at least `block_size`) measures what drafting fewer positions costs in accepted
+    tokens."""
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
+    if draft_size is None:
+        draft_size = max(block_size, proposer.block_size or 0)
+    elif draft_size < block_size:
+        raise ValueError(f"draft_size {draft_size} cannot be smaller than block_size {block_size}")
     ids, prompt_length = text.token_ids, text.prompt_length
-    draft_size = max(block_size, proposer.block_size or 0)
     proposer.begin(ids.numel() + draft_size)
     lengths: list[int] = []
     start, context_start = prompt_length, 0  # the anchor's position; the first position the draft has not seen

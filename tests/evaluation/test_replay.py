@@ -63,6 +63,22 @@ def test_replay_feeds_a_dflash_draft_what_the_loop_feeds_it():
         torch.testing.assert_close(logits, logits2, atol=1e-4, rtol=0)  # the forbidden mask token: -inf in both
 
 
+def test_replay_can_run_the_draft_on_a_shorter_block():
+    target = tiny_target("llama", seed=3, forbid_token=MASK)
+    draft = tiny_draft(target, block_size=8, mask_token_id=MASK, seed=1)
+    prompt = list(range(10, 30))
+    answer = greedy_reference(target, prompt, 24)
+    text = replay_text(TargetModel(target), draft.target_layer_ids, prompt, answer)
+    full, short = (RecordingProposer(draft, TargetModel(target)) for _ in range(2))
+    assert replay(full, text, 4) == replay(full, text, 4, draft_size=8)  # the default: the draft's own block
+    replay(short, text, 4, draft_size=4)
+    assert [c[:3] for c in short.calls] == [c[:3] for c in full.calls[: len(short.calls)]]
+    # the same anchor and context, but three masks instead of seven: other logits (the block is non-causal)
+    assert not torch.allclose(short.calls[0][3], full.calls[0][3])
+    with pytest.raises(ValueError, match="draft_size 3 cannot be smaller than block_size 4"):
+        replay(short, text, 4, draft_size=3)
+
+
 def test_the_last_rounds_stay_within_the_answer():
     target = tiny_target("llama", seed=3)
     prompt, answer = [3, 4], greedy_reference(target, [3, 4], 9)
