@@ -235,7 +235,8 @@ class PipelineConfig:
 
         return TrainConfig(
             num_anchors=self.num_anchors, gamma=self.gamma, loss_weights=self.loss_weights, learning_rate=self.lr,
-            warmup_ratio=self.warmup_ratio, weight_decay=self.weight_decay, epochs=self.epochs, max_steps=self.max_steps, batch_size=self.batch_size,
+            warmup_ratio=self.warmup_ratio, weight_decay=self.weight_decay, epochs=self.epochs,
+            max_steps=self.max_steps, batch_size=self.batch_size,
             grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, distill_weight=self.distill_weight,
             loss_chunk=self.loss_chunk, checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints, eval_every=self.eval_every,
