@@ -29,8 +29,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="round sizes (tokens verified)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", default="transformers", choices=["auto", "flashdraft", "transformers"],
+                        help="the target's forward; acceptance does not depend on it, and transformers' needs no "
+                        "kernel measurement first (default: transformers)")
     args = parser.parse_args()
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, engine=args.engine)
     draft = load_draft(args.draft)
     adapter = TargetModel(target)
     proposer = DFlashProposer(draft, adapter)
