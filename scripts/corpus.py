@@ -36,8 +36,7 @@ def regenerate_command(work: Path) -> list[str]:
 def lower_session_priority(pid: int) -> None:
     """Under Linux's autogroup scheduling a new session is its own group, and CPU time is shared between groups
     before `nice` counts inside one: a nice-19 job in its own session still takes a whole core from a training run
-    in another. Setting the group's nice too makes it yield (measured: 93% of a core before, 47% after, beside a
-    2-thread job)."""
+    in another. Setting the group's nice too makes it yield to the jobs of other groups."""
     try:
         Path(f"/proc/{pid}/autogroup").write_text("19")
     except OSError:  # no autogroup (other kernels, other systems): plain nice is what applies there

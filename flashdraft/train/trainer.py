@@ -382,10 +382,10 @@ class Trainer:
         """One optimizer step at `self.step`; returns its global statistics."""
         began = time.perf_counter()
         epoch, micro = self.micro_batches(self.step)
-        prepared = []
+        prepared, weights = [], self._position_weights()
         for sequences in micro:
             batch = self._blocks(sequences, epoch)
-            targets = block_targets(batch, self._position_weights(), self.vocabulary, self.config.distill_weight)
+            targets = block_targets(batch, weights, self.vocabulary, self.config.distill_weight)
             prepared.append((sequences, batch, targets))
         # Normalise by the loss weight of the whole global batch (DDP averages gradients over processes, hence the
         # world size): accumulation and the number of processes leave the gradient unchanged.
