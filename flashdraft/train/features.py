@@ -11,6 +11,11 @@ An offline store is a folder:
     meta.json       target identity, layer ids, storage dtype, feature width, and each sequence's id, length, offset
     features.bin    the raw [total positions, k*d] array in the storage dtype (float16 by default)
     progress.json   how many of the planned batches are written: a restarted build continues from there
+
+The corpus only grows, so a new store is seeded from older stores of the same target, layers and dtype (`reuse`):
+a sequence with the same id and length there is copied, not recomputed. Within one work folder a record's id is its
+prompt's and the prompt text is checked against the prompt set (`pipeline.load_sequences`), so id and length name
+the same tokens.
 """
 
 from __future__ import annotations
@@ -104,8 +109,12 @@ def build_feature_store(
     dtype: str = "float16",
     batch_size: int = 8,
     progress: bool = True,
+    reuse: Sequence[str | Path] = (),
 ) -> FeatureStore:
     """Compute the features of every sequence once and store them in `folder` (resumable; see the module doc).
+
+    `reuse`: complete stores of the same target, layers and dtype whose sequences of the same id and length are
+    copied when the store is created, instead of computed.
 
     A folder built for other sequences, another target or other layers is refused rather than mixed, and so is one
     that another run is building (a lock file). The disk space is checked before the first forward."""
@@ -122,11 +131,11 @@ def build_feature_store(
             f"cannot create the feature folder {folder} ({error.strerror}): choose a writable folder"
         ) from None
     with exclusive(folder / ".lock", f"another run is computing the features in {folder}: wait for it to finish"):
-        return _build_feature_store(model, sequences, folder, layer_ids, dtype, batch_size, progress)
+        return _build_feature_store(model, sequences, folder, layer_ids, dtype, batch_size, progress, reuse)
 
 
 def _build_feature_store(model, sequences, folder: Path, layer_ids, dtype: str, batch_size: int,
-                         progress: bool) -> FeatureStore:
+                         progress: bool, reuse: Sequence[str | Path]) -> FeatureStore:
     torch_dtype, numpy_dtype = STORAGE_DTYPES[dtype]
     width = len(layer_ids) * model.config.get_text_config().hidden_size
     offsets = np.cumsum([0] + [len(s) for s in sequences]).tolist()
@@ -157,12 +166,16 @@ def _build_feature_store(model, sequences, folder: Path, layer_ids, dtype: str, 
             )
         with data_path.open("wb") as handle:  # a sparse file of the final size; the memory map fills it
             handle.truncate(total_bytes)
+        seeded = _copy_reusable(meta, folder, reuse, numpy_dtype, progress)
         # The batch plan is fixed at creation, so a restart with another --batch-size still resumes cleanly.
-        progress_path.write_text(json.dumps({"batch_size": batch_size, "batches_done": 0}))
+        progress_path.write_text(json.dumps({"batch_size": batch_size, "batches_done": 0, "seeded": seeded}))
         meta_path.write_text(json.dumps(meta))  # last: a folder with meta.json has its data file
 
     state = json.loads(progress_path.read_text())
-    batches = plan_batches([len(s) for s in sequences], [s.id for s in sequences], state["batch_size"])
+    seeded = set(state.get("seeded", ()))
+    todo = [i for i, s in enumerate(sequences) if s.id not in seeded]
+    batches = [[todo[j] for j in batch] for batch in
+               plan_batches([len(sequences[i]) for i in todo], [sequences[i].id for i in todo], state["batch_size"])]
     done = state["batches_done"]
     if done < len(batches):
         data = np.memmap(data_path, dtype=numpy_dtype, mode="r+", shape=(offsets[-1], width))
@@ -180,7 +193,41 @@ def _build_feature_store(model, sequences, folder: Path, layer_ids, dtype: str, 
             state.update(batches_done=number + 1, complete=number + 1 == len(batches))
             write_atomic(progress_path, json.dumps(state))
         del data
+    elif not state.get("complete"):  # every sequence was seeded
+        state.update(complete=True)
+        write_atomic(progress_path, json.dumps(state))
     return FeatureStore(folder)
+
+
+def _copy_reusable(meta: dict, folder: Path, reuse: Sequence[str | Path], numpy_dtype, progress: bool) -> list[str]:
+    """Copy into the new store's data file the sequences that a complete store in `reuse` already holds (same
+    target, layers and dtype; same id and length); returns their ids."""
+    same = meta.keys() - {"sequences", "index"}  # the target's identity, layers, dtype and width
+    wanted = dict(meta["index"])
+    total = sum(length for _, length in wanted.values())
+    seeded: list[str] = []
+    target = None
+    for source in map(Path, reuse):
+        try:
+            store = FeatureStore(source)
+        except (OSError, ValueError):
+            continue  # missing or incomplete: nothing to take from it
+        if any(store.meta.get(key) != meta.get(key) for key in same):
+            continue
+        found = [(store.index[i][0], wanted[i][0], length, i) for i, (_, length) in wanted.items()
+                 if i in store.index and store.index[i][1] == length]
+        if not found:
+            continue
+        if target is None:
+            target = np.memmap(folder / DATA_FILE, dtype=numpy_dtype, mode="r+", shape=(total, meta["width"]))
+        for source_offset, offset, length, sequence_id in tqdm(sorted(found), desc=f"features from {source.name}",
+                                                                unit="seq", disable=not progress):
+            target[offset : offset + length] = store.data[source_offset : source_offset + length]
+            seeded.append(sequence_id)
+            del wanted[sequence_id]
+    if target is not None:
+        target.flush()
+    return seeded
 
 
 class FeatureStore:

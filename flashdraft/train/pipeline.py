@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import re
 import shlex
 import sys
@@ -517,7 +516,7 @@ def stage_labels(config: PipelineConfig, work: Path, model, tokenizer, prompts) 
 
 def load_sequences(config: PipelineConfig, work: Path, prompts, tokenizer):
     """The records of the label stages for `prompts` as training sequences (ids prefixed by their kind), split
-    into training and held-out sequences by a seeded draw. A record is used only when its prompt is the prompt of
+    into training and held-out sequences by a seeded hash. A record is used only when its prompt is the prompt of
     the set with its id, so records that are not of this prompt set (imported, or left by an earlier flashdraft
     that mixed prompt sets) are never trained on."""
     from .blocks import TrainingSequence
@@ -548,8 +547,16 @@ def load_sequences(config: PipelineConfig, work: Path, prompts, tokenizer):
         raise ValueError("no training record has a response of 2 tokens or more: the training set is empty")
     if config.heldout >= len(usable):
         raise ValueError(f"--heldout {config.heldout} leaves no training data out of {len(usable)} usable records")
-    heldout_ids = set(random.Random(f"{config.seed}:heldout").sample(sorted(s.id for s in usable), config.heldout))
-    return [s for s in usable if s.id not in heldout_ids], [s for s in usable if s.id in heldout_ids]
+    return split_heldout(usable, config.heldout, config.seed)
+
+
+def split_heldout(sequences, count: int, seed: int):
+    """(training, held-out): the held-out sequences are the `count` with the smallest seeded hash of their id, not
+    a draw over all of them, so as the corpus grows a new record joins the held-out set only by displacing one and
+    a record an earlier run trained on never becomes held out."""
+    ranked = sorted((hashlib.sha256(f"{seed}:heldout:{s.id}".encode()).digest(), s.id) for s in sequences)
+    heldout_ids = {sequence_id for _, sequence_id in ranked[:count]}
+    return [s for s in sequences if s.id not in heldout_ids], [s for s in sequences if s.id in heldout_ids]
 
 
 def data_counts(sequences) -> dict:
@@ -662,9 +669,10 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
         key = _digest({"layers": layer_ids, "dtype": config.feature_dtype, "target": config.target,
                        "sequences": sorted((s.id, len(s)) for s in sequences + heldout)})
         folder = work / f"features-{key}"
-        if not distributed:
+        if not distributed:  # stores made for fewer records seed this one: the corpus only grows
+            older = sorted(set(work.glob("features-*")) - {folder})
             build_feature_store(model, sequences + heldout, folder, layer_ids, dtype=config.feature_dtype,
-                                batch_size=config.data_batch_size)
+                                batch_size=config.data_batch_size, reuse=older)
         features = FeatureStore(folder)
     else:
         features = OnlineFeatures(model, layer_ids)

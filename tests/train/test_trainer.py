@@ -203,6 +203,47 @@ def test_feature_store_resumes_after_a_kill_and_refuses_other_data(tmp_path, mon
                             progress=False)
 
 
+def test_a_new_store_copies_the_sequences_an_older_store_holds_and_computes_only_the_rest(tmp_path, monkeypatch):
+    target, _ = target_and_draft()
+    old, grown = pattern_sequences(6), pattern_sequences(6) + pattern_sequences(3, seed=5)
+    build_feature_store(target, old, tmp_path / "old", FEATURE_LAYERS, dtype="float32", batch_size=2, progress=False)
+    build_feature_store(target, pattern_sequences(4, seed=9), tmp_path / "other-data", FEATURE_LAYERS,
+                        dtype="float32", progress=False)
+    build_feature_store(target, old, tmp_path / "other-dtype", FEATURE_LAYERS, dtype="float16", progress=False)
+    real, computed = features_module.extract_features, []
+
+    def counting(model, ids, layers):
+        computed.extend(len(row) for row in ids)
+        return real(model, ids, layers)
+
+    monkeypatch.setattr(features_module, "extract_features", counting)
+    reuse = [tmp_path / "missing", tmp_path / "other-dtype", tmp_path / "other-data", tmp_path / "old"]
+    store = build_feature_store(target, grown, tmp_path / "new", FEATURE_LAYERS, dtype="float32", batch_size=2,
+                                progress=False, reuse=reuse)
+    assert sorted(computed) == sorted(len(s) for s in grown[6:])  # only the three new sequences ran the target
+    assert torch.allclose(store(grown, 40), OnlineFeatures(target, FEATURE_LAYERS)(grown, 40), atol=1e-6)
+    assert json.loads((tmp_path / "new" / "progress.json").read_text())["seeded"] == sorted(s.id for s in old)
+
+    computed.clear()  # every sequence held by an older store: nothing to compute, and the store is complete
+    store = build_feature_store(target, old[:4], tmp_path / "subset", FEATURE_LAYERS, dtype="float32",
+                                progress=False, reuse=[tmp_path / "new"])
+    assert computed == [] and torch.equal(store(old[:4], 40), FeatureStore(tmp_path / "old")(old[:4], 40))
+
+
+def test_the_held_out_records_of_a_grown_corpus_are_never_ones_the_smaller_corpus_trained_on():
+    from flashdraft.train.pipeline import split_heldout
+
+    corpus = pattern_sequences(40)
+    train, heldout = split_heldout(corpus, 5, seed=0)
+    assert len(heldout) == 5 and {s.id for s in train} | {s.id for s in heldout} == {s.id for s in corpus}
+    assert [s.id for s in split_heldout(list(reversed(corpus)), 5, seed=0)[1]] == [s.id for s in reversed(heldout)]
+    grown = corpus + pattern_sequences(200, seed=1)
+    _, grown_heldout = split_heldout(grown, 5, seed=0)
+    assert not {s.id for s in grown_heldout} & {s.id for s in train}
+    assert {s.id for s in grown_heldout} != {s.id for s in heldout}  # the new records displaced some
+    assert {s.id for s in split_heldout(corpus, 5, seed=1)[1]} != {s.id for s in heldout}
+
+
 def test_a_feature_store_that_another_run_is_building_is_refused(tmp_path):
     from flashdraft.train.records import exclusive
 
