@@ -8,7 +8,9 @@ generator. `add` queues a prompt at any time; `step` runs a prefill and a round 
    different lengths in a `RowCache` of their own). A step prefills at most `prefill_tokens` tokens (rows x
    widest chunk), so a long prompt is prefilled in chunks over several steps and never stalls the running rows for
    long. A sequence whose prompt is done gets its first token from the logits after its last prompt token, and its
-   row moves into the batch's `RowCache` (one row copied).
+   row moves into the batch's `RowCache` (one row copied). A prompt that begins like earlier ones (a chat
+   template's opening, a system prompt) starts from their shared prefix's K/V (`flashdraft.target`'s
+   `PromptPrefixes`): its prefill computes only the rest.
 2. Propose: each row's proposer (`HybridProposer`: the lookup, the draft or both) plans its round with the
    target's verify costs measured at this batch size (`flashdraft.adaptive.BatchCosts`); the draft then drafts every
    row whose plan drafts in one pass (`DFlashProposer.logits_rows`; a row's first draft context is its prompt's
@@ -50,11 +52,14 @@ from .decoding import (
 from .draft import DFlashDraftModel
 from .proposals import LOOKUP_BLOCK_SIZE, DFlashProposer, HybridProposer
 from .sampling import SamplingParams, check_seed
-from .target import TargetModel
+from .target import PromptPrefixes, TargetModel
 
 # Prompt tokens one step prefills at most (rows x widest chunk), which bounds how long a step's prefill stalls the
 # running rows: on this 2-core CPU about a second for SmolLM2-135M (some 2 ms a token), a dozen chat prompts.
 DEFAULT_PREFILL_TOKENS = 512
+# Prompt positions whose K/V (and features) are kept for prompts that begin the same way: a chat template's opening
+# and a few system prompts. For SmolLM2-135M in float32, 58 kB a position (60 MB in all).
+DEFAULT_PREFIX_CACHE_TOKENS = 1024
 
 
 @dataclass(eq=False)  # a sequence is itself: a batch finds it by identity
@@ -95,7 +100,8 @@ class Batch:
     (a `Proposer` object decodes one sequence at a time, with `stream`). With `block_size="auto"` each row's
     round is planned with the costs measured at the batch's size; "dflash" plans the draft's rounds the same way,
     without the lookup. `prefill_tokens`: the most prompt tokens one step prefills (rows x widest chunk), so that
-    a long prompt is prefilled over several steps."""
+    a long prompt is prefilled over several steps. `prefix_cache_tokens`: the most prompt positions kept for
+    prompts that begin like earlier ones (0: none; `flashdraft.target.PromptPrefixes`)."""
 
     def __init__(
         self,
@@ -105,6 +111,7 @@ class Batch:
         block_size: int | str | None = "auto",
         proposals: str | None = None,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     ):
         if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be an integer >= 1, got {prefill_tokens!r}")
@@ -131,6 +138,7 @@ class Batch:
         self.draft_cache = self.dflash.new_row_cache() if self.dflash else None
         self.rows: list[_Row] = []  # in the order of the caches' rows
         self.prefill_cache = self.target.new_row_cache()  # the rows being prefilled, in the order of `prefilling`
+        self.prefixes = PromptPrefixes(prefix_cache_tokens)
         self.prefilling: list[_Row] = []
         self.waiting: list[_Row] = []
 
@@ -189,7 +197,10 @@ class Batch:
                 emitted.append((row.sequence, []))
                 continue
             row.prefill_began = time.perf_counter()
-            self.prefill_cache.add_empty()
+            row.start, features = self.prefixes.start_row(row.prompt[0], self.prefill_cache)
+            row.sequence.result.cached_prompt_tokens = row.start
+            if features is not None and self.layer_ids is not None:
+                row.pending.append(features)
             self.prefilling.append(row)
         if not self.prefilling:
             return emitted
@@ -206,6 +217,8 @@ class Batch:
                 row.pending.append(features[i])
             if row.start == row.prompt.shape[1]:
                 done.append(i)
+                self.prefixes.remember(row.prompt[0], self.prefill_cache, i,
+                                       torch.cat(row.pending, dim=1) if row.pending else None)
                 emitted.append((row.sequence, self._join(row, logits[i], i)))
         for i in reversed(done):  # the highest index first: the last row takes each leaver's place
             self.prefill_cache.remove(i)

@@ -43,6 +43,7 @@ class GenerationResult:
     decode_seconds: float = 0.0  # every round after that
     stop_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), or None while running
     accepted_by_source: Counter[str] = field(default_factory=Counter)  # accepted proposals: "dflash", "lookup"
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from a kept prefix (batches), not computed
 
     @property
     def tau(self) -> float:

@@ -189,20 +189,24 @@ class EngineCache:
         if self.padding is not None:
             self.padding = self.padding[rows]
 
-    def add_row(self, other: EngineCache | None = None, row: int = 0, length: int | None = None) -> None:
-        """By position: row `row` of `other` (a prefill, at positions 0..length-1; by default `other.length`)
-        joins as the last row; None: an empty row (what its slot holds lies past its length: never seen, then
-        overwritten). Allocated rows double when full, so joining copies one row, not the batch."""
-        if length is None:
-            length = other.length if other is not None else 0
+    def row_kv(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s K/V at positions 0..length-1: two [layers, kv_heads, length, head_dim] views."""
+        return self.keys[:, row, :, :length], self.values[:, row, :, :length]
+
+    def add_row(self, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """By position: a row joins as the last, holding `kv` at positions 0..n-1 (two [layers, kv_heads, n,
+        head_dim] tensors, e.g. another cache's `row_kv`), or empty for None (what its slot holds lies past its
+        length: never seen, then overwritten). Allocated rows double when full, so joining copies one row, not the
+        batch."""
+        length = 0 if kv is None else kv[0].shape[2]
         allocated = 0 if self.keys is None else self.keys.shape[1]
         if self.rows == allocated:
             self._grow_rows(max(2 * allocated, 1))
         self.rows += 1
         self.reserve(self.rows, max(self.length, length))
-        if other is not None:
-            self.keys[:, self.rows - 1, :, :length] = other.keys[:, row, :, :length]
-            self.values[:, self.rows - 1, :, :length] = other.values[:, row, :, :length]
+        if kv is not None:
+            self.keys[:, self.rows - 1, :, :length] = kv[0]
+            self.values[:, self.rows - 1, :, :length] = kv[1]
         self.length = max(self.length, length)
 
     def remove_row(self, row: int) -> None:

@@ -9,7 +9,10 @@ negative count of tokens to drop. On CPU, in float32, Llama-family targets run o
 
 from __future__ import annotations
 
+import copy
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,6 +25,7 @@ ENGINES = ("auto", "flashdraft", "transformers")
 _ENGINE_CHOICE = "_flashdraft_engine_choice"
 _ENGINE = "_flashdraft_engine"  # the model's engine, built by `TargetModel.engine`
 Cache = DynamicCache | EngineCache
+RowKV = tuple[torch.Tensor, torch.Tensor] | DynamicCache  # one row's K/V, from `RowCache.copy_row`
 
 
 class RowCache:
@@ -41,7 +45,7 @@ class RowCache:
     def add(self, cache: Cache) -> None:
         """A sequence's own cache (its prefill, from `TargetModel.new_cache`) joins as the last row."""
         if self.engine_cache is not None:
-            self.engine_cache.add_row(cache)
+            self.engine_cache.add_row(cache.row_kv(0, cache.length))
         else:
             self.caches.append(cache)
 
@@ -56,9 +60,27 @@ class RowCache:
         """Row `row` of `other`, its first `length` positions, joins as the last row (`other` keeps it until it
         is removed there)."""
         if self.engine_cache is not None:
-            self.engine_cache.add_row(other.engine_cache, row, length)
+            self.engine_cache.add_row(other.engine_cache.row_kv(row, length))
         else:
             self.caches.append(other.caches[row])
+
+    def copy_row(self, row: int, length: int) -> RowKV:
+        """A copy of row `row`'s first `length` positions, which `add_copy` adds to a row cache of the same target."""
+        if self.engine_cache is not None:
+            return tuple(part.clone() for part in self.engine_cache.row_kv(row, length))
+        cache = copy.deepcopy(self.caches[row])
+        TargetModel.rollback(cache, cache.get_seq_length() - length)
+        return cache
+
+    def add_copy(self, kept: RowKV, length: int) -> None:
+        """A row holding the first `length` positions of `kept` (from `copy_row`) joins as the last row; `kept`
+        stays as it was."""
+        if self.engine_cache is not None:
+            self.engine_cache.add_row((kept[0][:, :, :length], kept[1][:, :, :length]))
+        else:
+            cache = copy.deepcopy(kept)
+            TargetModel.rollback(cache, cache.get_seq_length() - length)
+            self.caches.append(cache)
 
     def remove(self, row: int) -> None:
         """Row `row` leaves the batch; the last row takes its place (as the batch's own rows must)."""
@@ -73,6 +95,78 @@ class RowCache:
         if self.engine_cache is None:
             for cache, length in zip(self.caches, lengths):
                 TargetModel.rollback(cache, cache.get_seq_length() - length)
+
+
+@dataclass(eq=False)
+class _Prefix:
+    tokens: torch.Tensor  # [n]
+    kv: RowKV
+    features: torch.Tensor | None  # [1, n, k*d]
+
+
+class PromptPrefixes:
+    """The K/V (and features) of prompt prefixes that several prompts share (a chat template's opening, a system
+    prompt, shared instructions), so that a prompt beginning with one is prefilled from where it ends
+    (`flashdraft.batching`). A prefix is kept once a prompt shares at least `min_tokens` with one of the `recent`
+    prompts before it; at most `max_tokens` positions are kept in all, the least recently used going first.
+
+    A position's K/V depend only on the tokens up to it (causal attention), so any leading part of a kept prefix
+    serves a prompt that shares that part; the row's logits are what a prefill in other chunks gives, equal up to
+    float32 rounding (as any chunked or batched prefill)."""
+
+    def __init__(self, max_tokens: int, min_tokens: int = 16, recent: int = 32):
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"the prefix cache's size must be an integer >= 0 tokens, got {max_tokens!r}")
+        self.max_tokens, self.min_tokens = max_tokens, min_tokens
+        self.kept: list[_Prefix] = []  # the most recently used last
+        self.recent: deque[torch.Tensor] = deque(maxlen=recent)
+        self.hits = 0  # prompt tokens served from kept prefixes
+
+    @property
+    def tokens(self) -> int:
+        """Positions kept in all."""
+        return sum(len(prefix.tokens) for prefix in self.kept)
+
+    def start_row(self, prompt: torch.Tensor, cache: RowCache) -> tuple[int, torch.Tensor | None]:
+        """A row for `prompt` ([P] token ids) joins `cache` as its last row, holding the longest kept prefix of the
+        prompt (all but its last token at most: that one's logits are the prefill's result). Returns how many
+        positions it holds and their features [1, n, k*d] (None when it holds none, or none are kept)."""
+        best, length = None, 0
+        for prefix in self.kept:
+            shared = min(_shared_length(prefix.tokens, prompt), len(prompt) - 1)
+            if shared > length:
+                best, length = prefix, shared
+        if best is None:
+            cache.add_empty()
+            return 0, None
+        self.kept.remove(best)
+        self.kept.append(best)
+        cache.add_copy(best.kv, length)
+        self.hits += length
+        return length, None if best.features is None else best.features[:, :length]
+
+    def remember(self, prompt: torch.Tensor, cache: RowCache, row: int, features: torch.Tensor | None) -> None:
+        """`prompt` ([P]) is prefilled in row `row` of `cache` (`features`: its features [1, P, k*d], or None):
+        keep the longest prefix it shares with a recent prompt, unless a kept prefix already holds it."""
+        shared = max((_shared_length(earlier, prompt) for earlier in self.recent), default=0)
+        self.recent.append(prompt)
+        if shared < self.min_tokens or shared > self.max_tokens:
+            return
+        if any(_shared_length(prefix.tokens, prompt) >= shared for prefix in self.kept):
+            return
+        # A kept prefix that this one extends is no longer needed.
+        self.kept = [p for p in self.kept if _shared_length(p.tokens, prompt) < len(p.tokens)]
+        self.kept.append(_Prefix(prompt[:shared].clone(), cache.copy_row(row, shared),
+                                 None if features is None else features[:, :shared].clone()))
+        while self.tokens > self.max_tokens:
+            self.kept.pop(0)
+
+
+def _shared_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens two 1-D token tensors share."""
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
 
 
 class TargetModel:

@@ -134,7 +134,8 @@ def test_a_cancelled_sequence_frees_its_row_and_its_memory():
     """Disconnecting clients, round after round: a cancelled sequence's row leaves at once, whether it was
     running, being prefilled or waiting, and the caches' memory stays what the first round allocated."""
     target, draft = on_engine("qwen3", "flashdraft"), DRAFTS["qwen3"]
-    batch = Batch(target, draft, block_size=4, proposals="dflash", prefill_tokens=64)  # the draft runs every round
+    # The draft runs every round; no prefixes kept, so that every round's clients run the same steps.
+    batch = Batch(target, draft, block_size=4, proposals="dflash", prefill_tokens=64, prefix_cache_tokens=0)
     rng = random.Random(3)
 
     def allocated():
@@ -282,3 +283,92 @@ def test_a_batch_plans_with_the_costs_measured_at_its_size(monkeypatch):
     for n in three.seconds:
         low, high = sorted((two.seconds[n], four.seconds[n]))
         assert low <= three.seconds[n] <= high
+
+
+@pytest.mark.parametrize("engine", ["flashdraft", "transformers"])
+@pytest.mark.parametrize("mode", [("hybrid", "auto"), (None, 1)], ids=lambda mode: str(mode[0]))
+def test_prompts_that_begin_alike_are_prefilled_from_their_shared_prefix(engine, mode, monkeypatch):
+    """Once two prompts have shared a prefix (a chat template's opening), a later prompt that begins with it is
+    prefilled from its end: the forward computes only the rest, the draft's first context is still the whole
+    prompt's features, and every row's tokens equal the sequence decoded alone."""
+    from flashdraft.proposals import HybridProposer
+
+    proposals, block_size = mode
+    rng = random.Random(f"prefix {engine} {mode}")
+    target = on_engine("llama", engine)
+    draft = DRAFTS["llama"] if proposals else None
+    head = [rng.randrange(2, 96) for _ in range(24)]
+    prompts = [head + [rng.randrange(2, 96) for _ in range(rng.randint(1, 12))] for _ in range(5)]
+    prompts += [head[:20], head, head + head[:3]]  # shorter than the prefix, the prefix itself, a longer one
+    widths, contexts = [], {}
+    prefill_rows, prepare = target.prefill_rows, HybridProposer.prepare
+
+    def counted(chunks, starts, cache, layer_ids):
+        widths.append([(start, len(chunk)) for chunk, start in zip(chunks, starts)])
+        return prefill_rows(chunks, starts, cache, layer_ids)
+
+    def captured(proposer, context, size):
+        contexts.setdefault(proposer, context)  # a row's first round: the prompt's features
+        return prepare(proposer, context, size)
+
+    monkeypatch.setattr(target, "prefill_rows", counted)
+    monkeypatch.setattr(HybridProposer, "prepare", captured)
+    batch = Batch(target, draft, block_size=block_size, proposals=proposals)
+    first = [batch.add(prompt, max_new_tokens=12) for prompt in prompts[:2]]
+    batch.step()  # one joins per step (half the queue): both are prefilled after two steps
+    batch.step()
+    assert [s.result.cached_prompt_tokens for s in first] == [0, 0]
+    later = [batch.add(prompt, max_new_tokens=12) for prompt in prompts[2:]]
+    while batch:
+        batch.step()
+    first_contexts = list(contexts.values())  # the batch's rows only (decoding alone below calls `prepare` too)
+    assert [s.result.cached_prompt_tokens for s in later] == [24, 24, 24, 19, 23, 24]
+    assert [start for forward in widths[2:] for start, _ in forward] == [24, 24, 24, 19, 23, 24]
+    assert batch.prefixes.tokens == 24 and batch.prefixes.hits == 138
+    for prompt, sequence in zip(prompts, first + later):
+        alone = generate_alone(target, draft, prompt, max_new_tokens=12, block_size=block_size, proposals=proposals)
+        assert sequence.result.tokens == alone.tokens
+    if draft is not None:
+        layer_ids = DRAFTS["llama"].config.dflash_config["target_layer_ids"]
+        whole = {}
+        for prompt in prompts:
+            _, features = target.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], target.new_cache(),
+                                         layer_ids)
+            whole[tuple(prompt)] = features
+        assert len(first_contexts) == len(prompts)
+        for context in first_contexts:
+            match = [f for f in whole.values() if f.shape == context.shape and torch.allclose(f, context, atol=1e-5)]
+            assert match, "a row's first draft context is not its whole prompt's features"
+
+
+def test_a_prefix_is_kept_once_shared_and_the_least_recently_used_goes_first():
+    from flashdraft.target import PromptPrefixes
+
+    target = on_engine("llama", "flashdraft")
+    prefixes = PromptPrefixes(max_tokens=40, min_tokens=4)
+
+    def prefill(prompt):
+        cache = target.new_row_cache()
+        start, _ = prefixes.start_row(torch.tensor(prompt), cache)
+        target.prefill_rows([torch.tensor(prompt[start:])], [start], cache, None)
+        prefixes.remember(torch.tensor(prompt), cache, 0, None)
+        return start
+
+    a, b = list(range(10, 40)), list(range(50, 70))
+    assert prefill(a + [1]) == 0 and prefixes.tokens == 0  # nothing shared yet
+    assert prefill(a[:3] + [2]) == 0 and prefixes.tokens == 0  # 3 shared tokens: under min_tokens
+    assert prefill(a + [3]) == 0 and prefixes.tokens == 30  # shared with the first: kept
+    assert prefill(a + [4, 5]) == 30 and prefixes.tokens == 30
+    assert prefill(b + [1]) == 0 and prefill(b + [2]) == 0 and prefixes.tokens == 20  # 30 + 20 > 40: `a` went
+    assert prefill(b[:10]) == 9  # a part of a kept prefix serves; the last prompt token is always computed
+    assert prefill(b + [2, 6]) == 20  # and shares 21 with `b + [2]`: kept, replacing the 20 tokens it extends
+    assert prefixes.tokens == 21 and len(prefixes.kept) == 1
+    with pytest.raises(ValueError, match="prefix cache's size"):
+        PromptPrefixes(max_tokens=-1)
+    nothing = PromptPrefixes(max_tokens=0)
+    cache = target.new_row_cache()
+    nothing.start_row(torch.tensor(a), cache)
+    target.prefill_rows([torch.tensor(a)], [0], cache, None)
+    nothing.remember(torch.tensor(a), cache, 0, None)
+    nothing.remember(torch.tensor(a), cache, 0, None)
+    assert nothing.tokens == 0

@@ -16,6 +16,7 @@ from flashdraft.commands.options import (
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
 DEFAULT_MAX_BATCH_SIZE = 16  # as flashdraft.serve.worker's (tests/serve/test_cli.py checks they agree)
+DEFAULT_PREFIX_CACHE_TOKENS = 1024  # as flashdraft.batching's (the same test checks)
 # After SIGTERM the worker answers every request within a round; this bounds what is left (a client that does not
 # read its answer) before uvicorn cancels it.
 SHUTDOWN_SECONDS = 5
@@ -59,6 +60,12 @@ def register(subparsers) -> None:
              "measured on a 2-core CPU)",
     )
     parser.add_argument(
+        "--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+        help="with batching, prompt positions whose K/V are kept for later prompts that begin the same way (a chat "
+             "template's opening, a system prompt), so those are prefilled from where the shared part ends; 0 keeps "
+             "none (default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body served; a larger one is answered 413 (default: 4194304, 4 MiB)",
     )
@@ -91,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    if args.prefix_cache_tokens < 0:
+        raise ValueError(f"--prefix-cache-tokens must be 0 or more, got {args.prefix_cache_tokens}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     if not 0 < args.port < 65536:
@@ -111,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             proposals=args.proposals,
         )
         app = create_app(engine, max_queue=args.max_queue, max_batch_size=args.max_batch_size,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes, prefix_cache_tokens=args.prefix_cache_tokens)
         mode = f"{engine.proposals} proposals, block size {engine.block_size}" if engine.proposals else "no draft"
         print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
         config = uvicorn.Config(

@@ -42,11 +42,13 @@ from .schemas import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SamplingRequest,
     Usage,
 )
 from .worker import (
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_PREFIX_CACHE_TOKENS,
     Cancelled,
     Engine,
     Failed,
@@ -318,12 +320,14 @@ async def _events(job: Job) -> AsyncIterator[TextDelta | Finished | Failed | Can
 
 
 def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> FastAPI:
     """The server's FastAPI app over `engine`, with a worker stepping up to `max_batch_size` requests together (1:
-    one at a time) whose queue holds up to `max_queue` more, serving request bodies of up to `max_body_bytes`."""
+    one at a time) whose queue holds up to `max_queue` more, serving request bodies of up to `max_body_bytes`;
+    batched, it keeps up to `prefix_cache_tokens` positions of prompt prefixes that requests share."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
-    worker = Worker(engine, max_queue, max_batch_size)
+    worker = Worker(engine, max_queue, max_batch_size, prefix_cache_tokens)
     started = int(time.time())
 
     @asynccontextmanager
@@ -523,7 +527,8 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
 
 def _usage(prompt_tokens: int, finished: Finished) -> Usage:
     completion = finished.completion_tokens
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=finished.statistics.cached_prompt_tokens))
 
 
 class Server(uvicorn.Server):

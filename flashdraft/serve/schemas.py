@@ -120,10 +120,15 @@ class CompletionRequest(SamplingRequest):
 # ---------------------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V the server had kept from earlier prompts (not computed again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class Statistics(BaseModel):
@@ -138,6 +143,7 @@ class Statistics(BaseModel):
     queue_seconds: float  # waiting for the worker
     prefill_seconds: float  # prompt forward until the first token
     decode_seconds: float  # every round after that
+    cached_prompt_tokens: int  # prompt tokens whose K/V came from a prefix kept from earlier prompts
 
 
 class AssistantMessage(BaseModel):

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..batching import Batch, BatchSequence
+from ..batching import DEFAULT_PREFIX_CACHE_TOKENS, Batch, BatchSequence
 from ..decoding import GenerationResult, check_block_size, check_proposals, stream
 from ..draft import DFlashDraftModel
 from ..proposals import check_compatible
 from ..sampling import SamplingParams
-from ..target import TargetModel
+from ..target import PromptPrefixes, TargetModel
 from ..text import IncrementalText, encode_chat, stop_token_ids
 from .schemas import Statistics
 
@@ -173,7 +173,8 @@ SHUTTING_DOWN = "the server is shutting down"
 class Worker:
     """One thread decoding queued jobs one at a time (see the module docstring)."""
 
-    def __init__(self, engine: Engine, max_queue: int, max_batch_size: int = 1):
+    def __init__(self, engine: Engine, max_queue: int, max_batch_size: int = 1,
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
         if max_queue < 1:
             raise ValueError(f"the queue must hold at least one request, got max_queue={max_queue}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -181,6 +182,8 @@ class Worker:
         self.engine = engine
         self.max_queue = max_queue
         self.max_batch_size = max_batch_size
+        PromptPrefixes(prefix_cache_tokens)  # checks the size now, not in the worker's thread
+        self.prefix_cache_tokens = prefix_cache_tokens  # the batched loop's (`flashdraft.batching.Batch`)
         self.batched: dict[BatchSequence, _Running] = {}  # the batched loop's running jobs
         self._waiting: deque[Job] = deque()
         self._changed = threading.Condition()  # guards _waiting, _stopping and the counters
@@ -290,7 +293,7 @@ class Worker:
 
     def _new_batch(self) -> Batch:
         return Batch(self.engine.target, self.engine.draft, block_size=self.engine.block_size,
-                     proposals=self.engine.proposals)
+                     proposals=self.engine.proposals, prefix_cache_tokens=self.prefix_cache_tokens)
 
     def _free_departed(self) -> None:
         """Jobs whose client is gone leave the batch (their rows freed) and are answered `Cancelled`."""
@@ -413,4 +416,5 @@ def statistics(engine: Engine, result: GenerationResult, queue_seconds: float) -
         queue_seconds=queue_seconds,
         prefill_seconds=result.prefill_seconds,
         decode_seconds=result.decode_seconds,
+        cached_prompt_tokens=result.cached_prompt_tokens,
     )

@@ -284,3 +284,23 @@ def test_a_slow_tokenization_holds_up_no_other_request(address, engine, monkeypa
         assert big.result(timeout=60)[0] == 200
     assert status == 200
     assert answered_in < 1.5  # not after the 3 s tokenization
+
+
+def test_a_shared_system_prompt_is_reported_as_cached_prompt_tokens(address, engine, request):
+    """The batched worker keeps the K/V of a prefix two prompts shared and serves later prompts from it; `usage`
+    says how many prompt tokens came from it (OpenAI's `prompt_tokens_details.cached_tokens`). The serial worker
+    keeps none. The answers are the same either way."""
+    system = {"role": "system", "content": " ".join(f"w{i}" for i in range(10, 40))}
+    questions = ["w3 w4", "w5 w6", "w7"]
+    answers = [post(address, "/v1/chat/completions", {**CHAT, "messages": [system, {"role": "user", "content": q}]})
+               for q in questions]
+    assert all(status == 200 for status, _ in answers)
+    prompts = [engine.chat_prompt([system, {"role": "user", "content": q}]) for q in questions]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[1:])) if a != b)
+    assert shared > 30
+    cached = [answer["usage"]["prompt_tokens_details"]["cached_tokens"] for _, answer in answers]
+    batched = request.node.callspec.params["address"] > 1
+    assert cached[2] == (shared if batched else 0)
+    for (_, answer), q in zip(answers, questions):
+        alone = post(address, "/v1/chat/completions", {**CHAT, "messages": [system, {"role": "user", "content": q}]})
+        assert alone[1]["choices"] == answer["choices"]

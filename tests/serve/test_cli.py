@@ -56,3 +56,17 @@ def test_the_default_body_limit_is_the_apps():
     from flashdraft.serve import app
 
     assert serve.DEFAULT_MAX_BODY_BYTES == app.DEFAULT_MAX_BODY_BYTES == 4 << 20
+
+
+def test_the_default_batch_size_and_prefix_cache_are_the_libraries():
+    from flashdraft import batching
+    from flashdraft.commands import serve
+    from flashdraft.serve import worker
+
+    assert serve.DEFAULT_MAX_BATCH_SIZE == worker.DEFAULT_MAX_BATCH_SIZE
+    assert serve.DEFAULT_PREFIX_CACHE_TOKENS == batching.DEFAULT_PREFIX_CACHE_TOKENS
+
+
+def test_a_negative_prefix_cache_fails_before_any_model_loads(no_model_loads, capsys):
+    assert main(["serve", "--no-draft", "--port", "8000", "--prefix-cache-tokens", "-1"]) == 2
+    assert capsys.readouterr().err == "flashdraft serve: error: --prefix-cache-tokens must be 0 or more, got -1\n"
