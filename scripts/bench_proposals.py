@@ -3,10 +3,13 @@ shipped draft (hybrid proposals, the default) and with `proposals="lookup"`, in 
 order), greedy, with the chat template and the target's stop tokens.
 
     python scripts/bench_proposals.py --dataset humaneval --prompts 6 --max-new-tokens 128
+    python scripts/bench_proposals.py --near-best 0.97 0.93   # the hybrid's planner band, each value a method
 
 `flashdraft bench` compares against transformers' `generate`, which does not run on flashdraft's CPU engine; this
 isolates what the proposals add on top of it. Like the CLI, it sets OMP_WAIT_POLICY=PASSIVE before torch loads.
-Prints one line per prompt (tokens/s of each, whether all three outputs agree) and the means.
+Prints one line per prompt (tokens/s of each, whether all outputs agree), the mean tokens/s and the pooled tau.
+`--near-best` runs the hybrid once per value of `flashdraft.proposals.NEAR_BEST` (a round takes the longest of the
+options within that fraction of the best expected tokens per second).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import flashdraft  # noqa: E402
+from flashdraft import proposals  # noqa: E402
 from flashdraft.evaluation.datasets import get_dataset  # noqa: E402
 from flashdraft.text import encode_chat, stop_token_ids  # noqa: E402
 
@@ -29,6 +33,8 @@ def main() -> None:
     parser.add_argument("--dataset", default="humaneval", help="evaluation set the prompts come from")
     parser.add_argument("--prompts", type=int, default=6, help="prompts (first turns)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most")
+    parser.add_argument("--near-best", type=float, nargs="+", default=[], metavar="F",
+                        help="also run the hybrid with these planner bands (default: only the library's)")
     args = parser.parse_args()
 
     model, tokenizer = flashdraft.load_target(args.target)
@@ -39,24 +45,39 @@ def main() -> None:
         "hybrid": lambda ids: flashdraft.generate(model, draft, ids, **settings),
         "lookup": lambda ids: flashdraft.generate(model, None, ids, proposals="lookup", **settings),
     }
+    for band in args.near_best:
+        methods[f"hybrid@{band}"] = lambda ids, band=band: with_band(band, lambda: methods["hybrid"](ids))
     samples = get_dataset(args.dataset).load(args.prompts)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": s.turns[0]}]) for s in samples]
     for run in methods.values():  # warm-up: kernels, verify costs, caches
         run(prompts[0][:32])
     rates: dict[str, list[float]] = {name: [] for name in methods}
+    rounds: dict[str, list[int]] = {name: [] for name in methods}
     names = list(methods)
     for i, ids in enumerate(prompts):
         outputs = {}
         for name in names[i % len(names):] + names[: i % len(names)]:
             began = time.perf_counter()
-            outputs[name] = methods[name](ids).tokens
-            rates[name].append(len(outputs[name]) / (time.perf_counter() - began))
+            result = methods[name](ids)
+            rates[name].append(len(result.tokens) / (time.perf_counter() - began))
+            outputs[name] = result.tokens
+            rounds[name] += result.acceptance_lengths
         agree = len({tuple(tokens) for tokens in outputs.values()}) == 1
         print(f"prompt {i}: " + ", ".join(f"{name} {rates[name][-1]:.1f}" for name in names)
               + f" tokens/s; outputs identical: {agree}")
     means = {name: statistics.mean(values) for name, values in rates.items()}
     print("mean tokens/s: " + ", ".join(f"{name} {value:.1f} ({value / means['plain']:.2f}x plain)"
                                         for name, value in means.items()))
+    print("tau: " + ", ".join(f"{name} {sum(lengths) / len(lengths):.2f}" for name, lengths in rounds.items()))
+
+
+def with_band(band: float, run):
+    """`run()` with the hybrid planner's band set to `band`, restored after."""
+    default, proposals.NEAR_BEST = proposals.NEAR_BEST, band
+    try:
+        return run()
+    finally:
+        proposals.NEAR_BEST = default
 
 
 if __name__ == "__main__":
