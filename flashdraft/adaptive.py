@@ -24,7 +24,7 @@ from functools import partial
 import torch
 
 from .engine import interleaved_seconds
-from .files import write_atomic
+from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement
 from .sampling import SamplingParams
 from .target import TargetModel, synchronize
 
@@ -123,7 +123,9 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
     """The target's verify costs up to `max_size` and the proposer's drafting time, measured once per model,
     draft, dtype, device, thread count and batch size, then read from disk. Measured, not tracked online, so that
     the block sizes chosen (and with them a seeded sampling run's output) do not depend on the machine's load of
-    the day. At a batch size above 1, the whole batch's verify costs (`measure_batch_verify_costs`), no draft."""
+    the day; costs measured while other work kept the machine busy are measured again, once, at a quiet start
+    (`flashdraft.files.cached_measurement`). At a batch size above 1, the whole batch's verify costs
+    (`measure_batch_verify_costs`), no draft."""
     from .models import cache_home
 
     draft = getattr(proposer, "draft", None)
@@ -148,16 +150,16 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
         sort_keys=True,
     )
     path = cache_home() / "costs" / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
+    saved = cached_measurement(path)
+    if saved is not None and {"verify", "draft"} <= saved.keys():
         return VerifyCosts({int(n): s for n, s in saved["verify"].items()}), saved["draft"]
+    busy = other_processes_cpu() >= BUSY_CORES
     if batch_size > 1:  # the batch's verify costs only: a row's draft pass is priced alone (`BatchCosts`)
         costs, draft_seconds = measure_batch_verify_costs(target, max_size, batch_size), 0.0
     else:
         costs = measure_verify_costs(target, max_size)
         draft_seconds = measure_draft_seconds(proposer, target, max_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"verify": costs.seconds, "draft": draft_seconds}))
+    save_measurement(path, {"verify": costs.seconds, "draft": draft_seconds}, busy)
     return costs, draft_seconds
 
 

@@ -33,7 +33,7 @@ from threadpoolctl import ThreadpoolController
 from torch import nn
 
 from . import native
-from .files import write_atomic
+from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # tables that depend on the position alone
@@ -591,19 +591,19 @@ def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
         sort_keys=True,
     )
     path = cache_home() / "kernels" / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
-    if path.is_file():
+    saved = cached_measurement(path)
+    if saved is not None:
         try:
-            table = {kind: {int(m): name for m, name in by_rows.items()}
-                     for kind, by_rows in json.loads(path.read_text()).items()}
+            table = {kind: {int(m): name for m, name in by_rows.items()} for kind, by_rows in saved.items()}
             if all(name in available_products() for by_rows in table.values() for name in by_rows.values()):
                 return KernelChoice(table)
         except (ValueError, AttributeError):
             pass  # a damaged file is measured again and replaced
     from tqdm.auto import tqdm
 
+    busy = other_processes_cpu() >= BUSY_CORES
     with tqdm(total=len(KERNEL_ROWS), desc="measuring this machine's fastest kernels (once per model shape)",
               unit="row count", leave=False, disable=not progress) as bar:
         choice = measure_kernels(engine, progress=lambda rows: bar.update())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(choice.table))
+    save_measurement(path, choice.table, busy)
     return choice

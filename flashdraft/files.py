@@ -4,7 +4,9 @@ one, and checksummed."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import time
 from pathlib import Path
 
 
@@ -25,3 +27,50 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+# Machine measurements (kernel choices, verify costs) are cached once per machine; one taken while other work kept
+# this many cores busy is marked so, and measured again by a later start that finds the machine at rest.
+BUSY_CORES = 0.5
+_BUSY_MARK = "measured_while_busy"
+
+
+def other_processes_cpu(seconds: float = 0.2) -> float:
+    """How many cores other processes at normal priority kept busy over the next `seconds`: Linux's /proc/stat less
+    this process's own time (niced work yields to ours and is not counted); 0.0 where /proc cannot be read."""
+    try:
+        busy, own = _busy_ticks(), _own_ticks()
+        time.sleep(seconds)
+        busy, own = _busy_ticks() - busy, _own_ticks() - own
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(busy - own, 0) / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def _busy_ticks() -> int:
+    user, _nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return user + system + irq + softirq + steal
+
+
+def _own_ticks() -> int:
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime: the process's threads together
+
+
+def cached_measurement(path: Path) -> dict | None:
+    """The measurement `save_measurement` wrote at `path`; None when there is none (or it is damaged), and when it
+    was taken on a busy machine and this one is at rest now, so that the caller measures again."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or (saved.pop(_BUSY_MARK, False) and other_processes_cpu() < BUSY_CORES):
+        return None
+    return saved
+
+
+def save_measurement(path: Path, measurement: dict, busy: bool) -> None:
+    """Keep `measurement` at `path`, marked when it was taken while other work kept the machine `busy`
+    (`other_processes_cpu() >= BUSY_CORES` just before)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({**measurement, **({_BUSY_MARK: True} if busy else {})}))

@@ -1,6 +1,7 @@
 """The adaptive block size: cost interpolation, the choice it makes, probing, and that it stays lossless."""
 
 import random
+import time
 
 import pytest
 
@@ -82,6 +83,67 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1
     assert cached_costs(target, proposer, 8) == (costs, draft_seconds)  # read back, not measured again
+
+
+def test_a_measurement_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(tmp_path, monkeypatch):
+    from flashdraft import adaptive, files
+
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    target = TargetModel(tiny_target())
+    proposer = DFlashProposer(tiny_draft(target.model, block_size=8), target)
+    load = {"cores": 1.5}
+    measured = []
+    real = adaptive.measure_verify_costs
+
+    def counted(*args, **kwargs):
+        measured.append(load["cores"])
+        return real(*args, **kwargs)
+
+    for module in (adaptive, files):
+        monkeypatch.setattr(module, "other_processes_cpu", lambda: load["cores"])
+    monkeypatch.setattr(adaptive, "measure_verify_costs", counted)
+    busy = cached_costs(target, proposer, 8)
+    assert cached_costs(target, proposer, 8) == busy and measured == [1.5]  # still busy: the busy one serves
+    load["cores"] = 0.1
+    quiet = cached_costs(target, proposer, 8)
+    assert measured == [1.5, 0.1] and sorted(quiet[0].seconds) == sorted(busy[0].seconds)
+    load["cores"] = 1.5
+    assert cached_costs(target, proposer, 8) == quiet and measured == [1.5, 0.1]  # a quiet one is kept for good
+
+
+def test_measurements_are_marked_only_when_taken_busy(tmp_path, monkeypatch):
+    from flashdraft import files
+
+    def never(*args):
+        raise AssertionError("the load was read for a measurement taken at rest")
+
+    files.save_measurement(tmp_path / "a.json", {"x": 1}, busy=False)
+    monkeypatch.setattr(files, "other_processes_cpu", never)
+    assert files.cached_measurement(tmp_path / "a.json") == {"x": 1}
+    assert files.cached_measurement(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("[1, 2")
+    assert files.cached_measurement(tmp_path / "bad.json") is None
+    files.save_measurement(tmp_path / "b.json", {"x": 2}, busy=True)
+    monkeypatch.setattr(files, "other_processes_cpu", lambda: 0.9)
+    assert files.cached_measurement(tmp_path / "b.json") == {"x": 2}
+    monkeypatch.setattr(files, "other_processes_cpu", lambda: 0.2)
+    assert files.cached_measurement(tmp_path / "b.json") is None
+
+
+def test_another_process_at_work_counts_as_busy_and_this_one_does_not():
+    import subprocess
+    import sys
+
+    from flashdraft.files import other_processes_cpu
+
+    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the child is spinning
+        assert other_processes_cpu(0.5) >= 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def test_measured_sizes_include_the_block_size_itself():
