@@ -217,8 +217,7 @@ class Batch:
                 row.pending.append(features[i])
             if row.start == row.prompt.shape[1]:
                 done.append(i)
-                self.prefixes.remember(row.prompt[0], self.prefill_cache, i,
-                                       torch.cat(row.pending, dim=1) if row.pending else None)
+                self.prefixes.remember(row.prompt[0], self.prefill_cache, i, row.pending)
                 emitted.append((row.sequence, self._join(row, logits[i], i)))
         for i in reversed(done):  # the highest index first: the last row takes each leaver's place
             self.prefill_cache.remove(i)

@@ -145,9 +145,12 @@ class PromptPrefixes:
         self.hits += length
         return length, None if best.features is None else best.features[:, :length]
 
-    def remember(self, prompt: torch.Tensor, cache: RowCache, row: int, features: torch.Tensor | None) -> None:
-        """`prompt` ([P]) is prefilled in row `row` of `cache` (`features`: its features [1, P, k*d], or None):
-        keep the longest prefix it shares with a recent prompt, unless a kept prefix already holds it."""
+    def remember(self, prompt: torch.Tensor, cache: RowCache, row: int, features: Sequence[torch.Tensor]) -> None:
+        """`prompt` ([P]) is prefilled in row `row` of `cache` (`features`: its features in chunks [1, n_i, k*d]
+        along the prompt, none without a draft): keep the longest prefix it shares with a recent prompt, unless a
+        kept prefix already holds it. The chunks are joined only for a prefix that is kept."""
+        if self.max_tokens == 0:
+            return
         shared = max((_shared_length(earlier, prompt) for earlier in self.recent), default=0)
         self.recent.append(prompt)
         if shared < self.min_tokens or shared > self.max_tokens:
@@ -157,7 +160,7 @@ class PromptPrefixes:
         # A kept prefix that this one extends is no longer needed.
         self.kept = [p for p in self.kept if _shared_length(p.tokens, prompt) < len(p.tokens)]
         self.kept.append(_Prefix(prompt[:shared].clone(), cache.copy_row(row, shared),
-                                 None if features is None else features[:, :shared].clone()))
+                                 torch.cat(list(features), dim=1)[:, :shared].clone() if features else None))
         while self.tokens > self.max_tokens:
             self.kept.pop(0)
 

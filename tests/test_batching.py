@@ -351,7 +351,7 @@ def test_a_prefix_is_kept_once_shared_and_the_least_recently_used_goes_first():
         cache = target.new_row_cache()
         start, _ = prefixes.start_row(torch.tensor(prompt), cache)
         target.prefill_rows([torch.tensor(prompt[start:])], [start], cache, None)
-        prefixes.remember(torch.tensor(prompt), cache, 0, None)
+        prefixes.remember(torch.tensor(prompt), cache, 0, [])
         return start
 
     a, b = list(range(10, 40)), list(range(50, 70))
@@ -369,6 +369,6 @@ def test_a_prefix_is_kept_once_shared_and_the_least_recently_used_goes_first():
     cache = target.new_row_cache()
     nothing.start_row(torch.tensor(a), cache)
     target.prefill_rows([torch.tensor(a)], [0], cache, None)
-    nothing.remember(torch.tensor(a), cache, 0, None)
-    nothing.remember(torch.tensor(a), cache, 0, None)
+    nothing.remember(torch.tensor(a), cache, 0, [])
+    nothing.remember(torch.tensor(a), cache, 0, [])
     assert nothing.tokens == 0
