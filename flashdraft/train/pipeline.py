@@ -94,7 +94,8 @@ class PipelineConfig:
     init_from_target: bool = setting(True, "start the draft's layers from the target's last layers where shapes match")
     init_draft: Path | None = setting(
         None, "start from the weights of this draft folder instead (e.g. to continue on more data under a new "
-        "--run-name); its layers, block size, feature layers and mask token must match the options", type=Path)
+        "--run-name); its layers, feature layers and mask token must match the options (the block size may differ: "
+        "no weight depends on it)", type=Path)
     device: str = setting(
         "auto", "torch device", shown="auto = this process's GPU (cuda:LOCAL_RANK) when there is one, else the CPU",
         type=str)
@@ -358,7 +359,9 @@ def _mask_token_id(config: PipelineConfig, tokenizer, vocab_size: int) -> int:
 
 
 def _draft_shape(draft) -> tuple:
-    return draft.config.num_hidden_layers, draft.block_size, draft.target_layer_ids, draft.mask_token_id
+    """What a draft's weights must agree on to be trained on. Not the block size: no weight depends on it (positions
+    are rotary, the mask is one embedding), so a draft can be trained on at another block size."""
+    return draft.config.num_hidden_layers, draft.target_layer_ids, draft.mask_token_id
 
 
 def _say(message: str) -> None:
@@ -686,9 +689,9 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
         start = DFlashDraftModel.from_pretrained(config.init_draft)
         if _draft_shape(start) != _draft_shape(draft):
             raise ValueError(
-                f"--init-draft {config.init_draft} has (layers, block size, feature layers, mask token) "
+                f"--init-draft {config.init_draft} has (layers, feature layers, mask token) "
                 f"{_draft_shape(start)} but the options ask for {_draft_shape(draft)}: give matching --draft-layers, "
-                "--block-size, --feature-layers and --mask-token-id"
+                "--feature-layers and --mask-token-id"
             )
         weights = start.state_dict()
         weights.pop("draft_vocab_ids", None)  # the drafting vocabulary is chosen again from this run's data

@@ -301,7 +301,8 @@ def test_trained_draft_decodes_losslessly(target_folder, tmp_path):
     assert torch.is_tensor(draft.draft_vocab_ids)
 
 
-def test_init_draft_starts_from_an_earlier_draft_and_must_match_it(target_folder, tmp_path, capsys):
+def test_init_draft_starts_from_an_earlier_draft_and_must_match_it_but_for_the_block_size(
+        target_folder, tmp_path, capsys):
     prompt_file(tmp_path / "prompts.jsonl")
     assert main(train_args(target_folder, tmp_path, "--draft-vocab-size", "0")) == 0
     first = DFlashDraftModel.from_pretrained(tmp_path / "draft")
@@ -311,8 +312,14 @@ def test_init_draft_starts_from_an_earlier_draft_and_must_match_it(target_folder
     second = DFlashDraftModel.from_pretrained(tmp_path / "d2")
     for name, tensor in first.state_dict().items():
         assert torch.allclose(second.state_dict()[name], tensor, atol=1e-6), name
-    err = run_failing(later + ["--block-size", "8"], capsys)
-    assert "--init-draft" in err and "(1, 8, [0, 2], 1)" in err
+    err = run_failing(later + ["--draft-layers", "2"], capsys)
+    assert "--init-draft" in err and "(1, [0, 2], 1)" in err and "(2, [0, 2], 1)" in err
+    # Another block size takes the same weights; the new draft decodes with the new size.
+    assert main(later[:-1] + [str(tmp_path / "d8"), "--run-name", "block8", "--block-size", "8"]) == 0
+    third = DFlashDraftModel.from_pretrained(tmp_path / "d8")
+    assert (third.block_size, first.block_size) == (8, 4)
+    for name, tensor in first.state_dict().items():
+        assert torch.allclose(third.state_dict()[name], tensor, atol=1e-6), name
 
 
 def files_of(folder):
