@@ -76,7 +76,10 @@ def measure_verify_costs(
 
 def measure_draft_seconds(proposer, target: TargetModel, block_size: int, context_length: int = 128,
                           repeats: int = 3) -> float:
-    """Time one drafting pass of `proposer` after a context of random features (median of `repeats`)."""
+    """Time one drafting pass of `proposer` after a context of random features (median of `repeats`), at its own
+    block size when it has a smaller one (a draft beside the lookup drafts its own block in rounds up to
+    `block_size`)."""
+    block_size = min(block_size, getattr(proposer, "block_size", None) or block_size)
     width = len(proposer.target_layer_ids or []) * target.hidden_size
     context = torch.randn(1, context_length, width, device=target.device, dtype=target.dtype) if width else None
     anchor = torch.zeros(1, dtype=torch.long, device=target.device)

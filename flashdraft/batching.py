@@ -123,6 +123,8 @@ class Batch:
         check_block_size(block_size, has_draft=self.mode is not None)
         self.dflash = DFlashProposer(draft, self.target) if draft is not None and self.mode != "lookup" else None
         native = self.dflash.block_size if self.dflash else LOOKUP_BLOCK_SIZE
+        if self.mode == "hybrid":  # the lookup fills rounds longer than the draft's block
+            native = max(native, LOOKUP_BLOCK_SIZE)
         if self.mode is None:
             self.max_size = 1
         else:
@@ -130,8 +132,11 @@ class Batch:
         self.costs = None
         if block_size == "auto" and self.max_size > 1:
             self.costs = BatchCosts(self.target, self.dflash or HybridProposer(self.target, None, native), native)
-        # The draft drafts at its own block size, or the round's when larger (as `stream` does).
-        self.draft_size = max(self.max_size, native) if self.dflash else 0
+        # The draft drafts at its own block size, or alone at the round's when larger (as `stream` does).
+        self.draft_size = 0
+        if self.dflash:
+            own = self.dflash.block_size
+            self.draft_size = own if self.mode == "hybrid" else max(self.max_size, own)
         self.layer_ids = self.dflash.target_layer_ids if self.dflash else None
         self.prefill_tokens = prefill_tokens
         self.cache = self.target.new_row_cache()

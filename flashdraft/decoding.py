@@ -189,7 +189,7 @@ def _proposer(
     if proposals is None:
         return None, 1, None
     dflash = dflash if proposals == "hybrid" else None
-    native = dflash.block_size if dflash else LOOKUP_BLOCK_SIZE
+    native = max(dflash.block_size, LOOKUP_BLOCK_SIZE) if dflash else LOOKUP_BLOCK_SIZE
     max_size = native if block_size in ("auto", None) else block_size
     costs = None
     if block_size == "auto":  # the same measurements as the draft alone's controller (the lookup's pass: nothing)

@@ -271,7 +271,11 @@ class HybridProposer:
         # A batch probes the draft first with its best round, not the whole block: a row's block widens every row's.
         self.full_first_probe = full_first_probe
         self.target_layer_ids = dflash.target_layer_ids if dflash else None
-        self.block_size = dflash.block_size if dflash else None
+        # The block the draft runs: its own size beside the lookup, which fills longer rounds (a draft drafts worse
+        # past the block it was trained at); alone, the round's size when that is larger (as the draft alone does).
+        self.block_size = None
+        if dflash:
+            self.block_size = dflash.block_size if lookup else max(max_size, dflash.block_size)
         self.reset()
 
     def begin(self, max_positions: int) -> None:
@@ -295,7 +299,7 @@ class HybridProposer:
     def propose(self, anchor, context, start, block_size, size, params=GREEDY, generator=None):
         """`Proposer.propose`: the plan's proposals, from the lookup, the draft or both."""
         plan = self.prepare(context, size)
-        logits = self.dflash.logits(anchor, self.take_context(), start, block_size, plan.size) if plan.draft else None
+        logits = self.dflash.logits(anchor, self.take_context(), start, self.block_size, plan.size) if plan.draft else None
         return self.complete(logits, params, generator)
 
     def prepare(self, context: torch.Tensor | None, size: int) -> Plan:
@@ -332,25 +336,26 @@ class HybridProposer:
     def plan(self, continuation: list[int], n: int, size: int) -> Plan:
         """This round's proposals, given the continuation (matched over n tokens) and the largest size allowed."""
         found = len(continuation)
+        draft_size = min(size, self.block_size or 0)  # the largest round with draft tokens in it
         if self.costs is None:
-            if self.dflash is None or found == size - 1:
+            if found + 1 >= draft_size:
                 return Plan(found, found + 1, False)
-            return Plan(found, size, True)
+            return Plan(found, draft_size, True)
         verify, draft_seconds = self.costs
         options = [(1.0 / verify(1), Plan(0, 1, False))]
         lookup_rates = self.lookup_acceptance[n].rates()[:found] if found else []
         for s, expected in enumerate(expected_tokens(lookup_rates)[1:], start=2):
             options.append((expected / verify(s), Plan(s - 1, s, False)))
         if self.dflash is not None:
-            draft_rates = self.draft_acceptance.rates()[: size - 1]
+            draft_rates = self.draft_acceptance.rates()[: draft_size - 1]
             for prefix in {0, found}:  # the draft alone, or after the whole continuation
                 expected = expected_tokens(lookup_rates[:prefix] + draft_rates[prefix:])
-                for s in range(prefix + 2, size + 1):
+                for s in range(prefix + 2, draft_size + 1):
                     options.append((expected[s - 1] / (verify(s) + draft_seconds), Plan(prefix, s, True)))
         best = max(value for value, _ in options)
         near_best = [plan for value, plan in options if value >= NEAR_BEST * best]
         plan = max(near_best, key=lambda plan: plan.size)
-        if self.dflash is None or plan.draft:
+        if self.dflash is None or plan.draft or draft_size < 2:
             self.rounds_without_draft, self.probe_interval = 0, FIRST_PROBE_INTERVAL
             return plan
         # The draft's estimate only changes in rounds that run it: probe it now and then, less often while it
@@ -359,7 +364,7 @@ class HybridProposer:
         # best round.
         self.rounds_without_draft += 1
         if not self.draft_observed and self.full_first_probe:
-            return Plan(0, size, True)
+            return Plan(0, draft_size, True)
         if not self.draft_observed:
             self.rounds_without_draft = self.probe_interval
         if self.rounds_without_draft < self.probe_interval:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashdraft
+import flashdraft.batching
 import flashdraft.decoding as decoding
 from flashdraft.adaptive import VerifyCosts
 from flashdraft.lookup import ContextIndex
@@ -134,6 +135,40 @@ def test_without_costs_every_round_proposes_all_there_is():
     assert hybrid(with_draft=False, costs=None).plan([4, 5], 2, 8) == Plan(2, 3, False)
 
 
+def test_beside_the_lookup_the_draft_proposes_within_its_own_block_only():
+    proposer = hybrid(max_size=16)  # a draft trained at blocks of 8, rounds of up to 16
+    assert proposer.block_size == 8
+    set_rates(proposer.draft_acceptance, 0.9)
+    set_rates(proposer.lookup_acceptance[3], 0.99)
+    assert proposer.plan([5] * 15, 3, 16) == Plan(15, 16, False)  # the lookup fills the longer round
+    set_rates(proposer.lookup_acceptance[3], 0.5)
+    assert proposer.plan([], 0, 16) == Plan(0, 8, True)  # the draft: its own block at most
+    set_rates(proposer.lookup_acceptance[3], 0.95)
+    assert proposer.plan([5, 6, 7], 3, 16) == Plan(3, 8, True)  # the draft's tokens after a short continuation
+    without_costs = hybrid(max_size=16, costs=None)
+    assert without_costs.plan([4, 5], 2, 16) == Plan(2, 8, True)
+    assert without_costs.plan([4] * 9, 2, 16) == Plan(9, 10, False)  # past the draft's block: the lookup alone
+    fresh = hybrid(max_size=16)
+    fresh.draft_observed = False
+    set_rates(fresh.draft_acceptance, 0.0)
+    assert fresh.plan([], 0, 16) == Plan(0, 8, True)  # the first probe: the draft's whole block
+
+
+def test_beside_the_lookup_the_draft_runs_its_own_block(monkeypatch):
+    proposer = hybrid(max_size=16, costs=None)
+    proposer.begin(64)
+    passes = []
+    logits = DFlashProposer.logits
+    monkeypatch.setattr(DFlashProposer, "logits", lambda self, anchor, context, start, block_size, size=None: (
+        passes.append((block_size, size)) or logits(self, anchor, context, start, block_size, size)))
+    context = torch.randn(1, 5, proposer.dflash.draft.config.hidden_size * len(proposer.target_layer_ids))
+    proposer.observe([3, 4, 5, 6, 7, 8])
+    proposals, _ = proposer.propose(torch.tensor([9]), context, 5, 16, 16)
+    assert passes == [(8, 8)] and len(proposals) == 7
+    alone = HybridProposer(proposer.target, proposer.dflash, 16, lookup=False)  # the draft alone: the round's block
+    assert alone.block_size == 16
+
+
 # ------------------------------------------------------------------ in the loop
 
 
@@ -170,6 +205,29 @@ def test_lookup_needs_no_draft_and_copies_a_looping_answer(cpu_like_costs):
     assert max(result.block_sizes) <= 16
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_lookup_rounds_beside_a_draft_are_not_bounded_by_its_block(batched, cpu_like_costs, monkeypatch):
+    monkeypatch.setattr(flashdraft.batching, "BatchCosts", lambda target, proposer, size: FixedBatchCosts())
+    target, prompt = TARGETS["llama"], [30, 31, 32, 33]
+    reference = greedy_reference(target, prompt, 60)  # loops: the lookup copies it
+    if batched:
+        batch = flashdraft.Batch(target, DRAFTS["llama"])
+        sequence = batch.add(prompt, max_new_tokens=60)
+        while len(batch):
+            batch.step()
+        result = sequence.result
+    else:
+        result = flashdraft.generate(target, DRAFTS["llama"], prompt, max_new_tokens=60)
+    assert result.tokens == reference
+    assert max(result.block_sizes) > DRAFTS["llama"].block_size == 8
+    assert max(result.block_sizes) <= 16
+
+
+class FixedBatchCosts:
+    def at(self, batch_size):
+        return COSTS, 0.1
+
+
 def test_a_round_verifies_what_was_proposed_which_may_be_less_than_the_block(cpu_like_costs):
     target, prompt = TARGETS["qwen3"], [10, 11, 12]
     reference = greedy_reference(target, prompt, 40)
@@ -203,7 +261,7 @@ def test_rounds_without_the_draft_still_give_it_their_context(cpu_like_costs, mo
     monkeypatch.setattr(decoding, "DFlashProposer", RecordingProposer)
     RecordingProposer.calls = []
     target = TARGETS["llama"]
-    result = flashdraft.generate(target, DRAFTS["llama"], [3, 4, 5, 3, 4], max_new_tokens=120)
+    result = flashdraft.generate(target, DRAFTS["llama"], [3, 4, 5, 3, 4], max_new_tokens=240)
     assert len(RecordingProposer.calls) >= 2 and len(RecordingProposer.calls) < len(result.block_sizes)
     seen = 0
     for start, context_length in RecordingProposer.calls:  # the contexts tile every position before each anchor

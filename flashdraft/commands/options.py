@@ -43,7 +43,7 @@ def add_block_size_option(parser) -> None:
     parser.add_argument("--block-size", type=block_size, default="auto",
                         help="tokens verified per round, anchor included: an integer >= 1 (1 = no speculation) or auto "
                         "(default: auto = chosen round by round for the most tokens per second, never above the "
-                        "draft's own block size)")
+                        "draft's own block size; the context lookup's rounds up to 16)")
 
 
 def add_proposals_option(parser) -> None:
