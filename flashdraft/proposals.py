@@ -299,7 +299,9 @@ class HybridProposer:
     def propose(self, anchor, context, start, block_size, size, params=GREEDY, generator=None):
         """`Proposer.propose`: the plan's proposals, from the lookup, the draft or both."""
         plan = self.prepare(context, size)
-        logits = self.dflash.logits(anchor, self.take_context(), start, self.block_size, plan.size) if plan.draft else None
+        logits = None
+        if plan.draft:  # at the draft's own block (`block_size`), whatever the loop's
+            logits = self.dflash.logits(anchor, self.take_context(), start, self.block_size, plan.size)
         return self.complete(logits, params, generator)
 
     def prepare(self, context: torch.Tensor | None, size: int) -> Plan:
