@@ -11,7 +11,11 @@ So the engine
 - computes every projection through the kernel measured fastest for its weight and number of rows on this
   machine (`KernelChoice`: torch's `F.linear`, the same product transposed, numpy's BLAS, or flashdraft's own
   native kernel where a C compiler builds it, `native.py`), measured once and cached on disk like the verify
-  costs.
+  costs;
+- lets the native kernel read each weight in the fewest bytes that hold its float32 values exactly
+  (`WeightForms`): a target dequantized from a GGUF checkpoint is read in its Q4_1 / Q8_0 blocks (a fifth of the
+  bytes), a bfloat16 draft in bfloat16. A step of a few tokens is bound by those bytes, so this halves it; the
+  products are the float32 ones, bit for bit (`FLASHDRAFT_PACKED=0` turns it off).
 Every path is exact up to float32 rounding: logits match transformers' within float32 tolerance and greedy outputs
 are the same (tests/test_engine.py).
 """
@@ -42,35 +46,56 @@ KERNEL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # rows (tokens x sequences) me
 # forward 20x slower); one thread, inside the engine only, never oversubscribes.
 _ONE_BLAS_THREAD = ThreadpoolController().select(internal_api="openblas")
 THREADING_VARIABLES = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_BLOCKTIME")
-ProductFn = Callable[[torch.Tensor, torch.Tensor, np.ndarray], torch.Tensor]
 
 
-def _torch(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+@dataclass(frozen=True)
+class WeightForms:
+    """A weight's other forms, made once: numpy's view of it (for numpy's BLAS), and the same values packed in fewer
+    bytes where they allow it (`native.pack`: a weight dequantized from a GGUF checkpoint, or a bfloat16 one), which
+    the native kernel reads instead."""
+
+    array: np.ndarray
+    packed: native.PackedWeight | None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> WeightForms:
+        weight = weight.detach()
+        packing = native.available() and os.environ.get("FLASHDRAFT_PACKED", "1") != "0"  # 0: float32 only
+        return cls(weight.numpy(), native.pack(weight) if packing else None)
+
+
+ProductFn = Callable[[torch.Tensor, torch.Tensor, WeightForms], torch.Tensor]
+
+
+def _torch(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _torch_transposed(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+def _torch_transposed(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms) -> torch.Tensor:
     # W @ x^T takes MKL's small-N gemm path, several times faster than x @ W^T for 2-8 rows here.
     return (weight @ x.T).T
 
 
-def _numpy(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+def _numpy(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms) -> torch.Tensor:
     # numpy's OpenBLAS: the fastest single-row product (gemv) on this CPU, by 2-3x.
-    return torch.from_numpy(x.numpy() @ weight_np.T)
+    return torch.from_numpy(x.numpy() @ forms.array.T)
 
 
-def _numpy_transposed(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(weight_np @ x.numpy().T).T
+def _numpy_transposed(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms) -> torch.Tensor:
+    return torch.from_numpy(forms.array @ x.numpy().T).T
 
 
-def _native(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
-    # flashdraft's own kernel: reads each weight once, so 2 to 4 rows cost what one does (csrc/small_gemm.c).
-    return native.small_gemm(x, weight)
+def _native(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms, parallel: bool = False) -> torch.Tensor:
+    # flashdraft's own kernel: reads each weight once, so 2 to 4 rows cost what one does (csrc/small_gemm.c), and
+    # reads the packed form where there is one: the same result in a fraction of the bytes.
+    if forms.packed is not None:
+        return native.packed_gemm(x, forms.packed, parallel)
+    return native.small_gemm(x, weight, parallel)
 
 
-def _native_parallel(x: torch.Tensor, weight: torch.Tensor, weight_np: np.ndarray) -> torch.Tensor:
+def _native_parallel(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms) -> torch.Tensor:
     # The same on torch's threads: faster where the other cores are free, slower where they are busy.
-    return native.small_gemm(x, weight, parallel=True)
+    return _native(x, weight, forms, parallel=True)
 
 
 PRODUCTS: dict[str, ProductFn] = {
@@ -272,22 +297,23 @@ class KernelLinear(nn.Linear):
         _aligned(linear.weight)
         new.weight, new.bias = linear.weight, linear.bias
         new.kind, new.kernels = kind, kernels
-        new._array, new._array_of = None, None
+        new._forms, new._forms_of = None, None
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != x.dtype:
             return super().forward(x)
-        if self._array_of != weight.data_ptr():  # the numpy view of the weight, renewed if the weight moved
-            self._array, self._array_of = weight.detach().numpy(), weight.data_ptr()
+        # The weight's forms, made again if it moved or changed in place (a packed copy would be stale).
+        if self._forms_of != (weight.data_ptr(), weight._version):
+            self._forms, self._forms_of = WeightForms.of(weight), (weight.data_ptr(), weight._version)
         rows = x.numel() // self.in_features
         product = self.kernels.product(self.kind, rows)
         if product in (_numpy, _numpy_transposed):
             with _ONE_BLAS_THREAD.limit(limits=1):
-                out = product(x.reshape(rows, self.in_features), weight.detach(), self._array)
+                out = product(x.reshape(rows, self.in_features), weight.detach(), self._forms)
         else:
-            out = product(x.reshape(rows, self.in_features), weight.detach(), self._array)
+            out = product(x.reshape(rows, self.in_features), weight.detach(), self._forms)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -317,7 +343,7 @@ class Engine:
         self.norm = base.norm.weight
         self.rotary = base.rotary_emb
         self.layers = [self._layer(layer) for layer in base.layers]
-        self.numpy = {id(w): w.detach().numpy() for w in self._weights()}
+        self.forms = {id(w): WeightForms.of(w) for w in self._weights()}
         self.kernels = KernelChoice({})
         self._cos = self._sin = None
 
@@ -368,6 +394,16 @@ class Engine:
         return [self.head_weight] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up,
                                                                                   layer.down)]
 
+    def packed_formats(self) -> dict[str, list[str]]:
+        """The packed forms of the engine's weights by kind (`WeightForms`), e.g. {"qkv": ["q4_1"], ...}; an
+        unpacked weight counts as "float32"."""
+        kinds = {"head": [self.head_weight]}
+        for layer in self.layers:
+            for kind in ("qkv", "o", "gate_up", "down"):
+                kinds.setdefault(kind, []).append(getattr(layer, kind))
+        return {kind: sorted({getattr(self.forms[id(w)].packed, "format", "float32") for w in weights})
+                for kind, weights in kinds.items()}
+
     def accelerate(self, module: nn.Module) -> nn.Module:
         """Route the inference products of a draft's projections (and of a head given as `module` itself) through
         this engine's kernels: each `nn.Linear` becomes a `KernelLinear` holding the same parameters."""
@@ -394,7 +430,7 @@ class Engine:
         return self._cos, self._sin
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.kernels.product(kind, x.shape[0])(x, weight, self.numpy[id(weight)])
+        return self.kernels.product(kind, x.shape[0])(x, weight, self.forms[id(weight)])
 
     @torch.no_grad()
     def forward(
@@ -527,7 +563,7 @@ def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], 
         for kind, kind_weights in weights.items():
             x = torch.randn(rows, kind_weights[0].shape[1])
             seconds = interleaved_seconds(
-                {name: partial(_products, product, x, kind_weights, engine.numpy)
+                {name: partial(_products, product, x, kind_weights, engine.forms)
                  for name, product in products.items()},
                 repeats,
             )
@@ -545,9 +581,9 @@ def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], 
     return engine.kernels
 
 
-def _products(product: ProductFn, x: torch.Tensor, weights: list[torch.Tensor], arrays: dict) -> None:
+def _products(product: ProductFn, x: torch.Tensor, weights: list[torch.Tensor], forms: dict) -> None:
     for weight in weights:
-        product(x, weight, arrays[id(weight)])
+        product(x, weight, forms[id(weight)])
 
 
 def _forward_with(engine: Engine, table: dict, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -587,6 +623,8 @@ def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
             "torch": torch.__version__,
             "numpy": np.__version__,
             "native": native.build_identity(),
+            # Packed weights change which kernel wins.
+            "packed": engine.packed_formats(),
         },
         sort_keys=True,
     )

@@ -1,4 +1,6 @@
-"""flashdraft's native matrix product for the few rows of a speculative step (`csrc/small_gemm.c`).
+"""flashdraft's native matrix product for the few rows of a speculative step (`csrc/small_gemm.c`), on float32
+weights or on the same values packed in fewer bytes (`pack`: a weight dequantized from a GGUF checkpoint's Q4_1 or
+Q8_0, or a bfloat16 one), bit for bit the same result.
 
 Compiled once per machine on first use with the system's C compiler (`$CC`, else `cc`) for this very CPU
 (`-march=native`, with OpenMP where the compiler has it), cached under `$FLASHDRAFT_HOME/native/`, and called
@@ -16,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,6 +86,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     for function in (loaded.small_gemm, loaded.small_gemm_parallel):
         function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
         function.restype = None
+    for function in (loaded.packed_gemm, loaded.packed_gemm_parallel):
+        function.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
+        function.restype = None
     return loaded, None, identity
 
 
@@ -118,4 +124,142 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, parallel: bool = False) ->
     out = torch.empty(x.shape[0], weight.shape[0])
     function = library.small_gemm_parallel if parallel else library.small_gemm
     function(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
+    return out
+
+
+# Packed weights (csrc/small_gemm.c): the format's code in the kernel, and the block of weights along K that shares
+# one scale.
+FORMATS = {"bf16": 1, "q8_0": 2, "q4_1": 3}
+BLOCK = 32
+LANES_PER_VECTOR = 16  # the kernel unpacks whole vectors of 16 weights: K must be a multiple
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A float32 weight [N, K] held exactly in fewer bytes (see `pack`): what the native kernel reads instead."""
+
+    format: str
+    shape: tuple[int, int]
+    data: torch.Tensor  # bf16: int16 [N, K]; q8_0: int8 [N, K]; q4_1: uint8 [N, K / 2]
+    scale: torch.Tensor | None = None  # float32 [N, K / 32]
+    minimum: torch.Tensor | None = None  # float32 [N, K / 32], q4_1 only
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.minimum) if t is not None)
+
+    def unpack(self) -> torch.Tensor:
+        """The float32 weight again (in torch, for tests and checks)."""
+        n, k = self.shape
+        if self.format == "bf16":
+            return self.data.view(torch.bfloat16).float()
+        if self.format == "q8_0":
+            return torch.mul(self.data.float().view(n, k // BLOCK, BLOCK), self.scale[..., None]).view(n, k)
+        low, high = self.data.view(n, k // BLOCK, BLOCK // 2) & 15, self.data.view(n, k // BLOCK, BLOCK // 2) >> 4
+        q = torch.cat([low, high], dim=-1).float()
+        return torch.add(torch.mul(self.scale[..., None], q), self.minimum[..., None]).view(n, k)
+
+
+def _float16_neighbours(values: torch.Tensor) -> list[torch.Tensor]:
+    """The float16 value nearest each of `values` and the two either side of it, as float32: the candidates for a
+    block's scale, which quantizers store in float16."""
+    bits = values.half().view(torch.int16)
+    return [(bits + step).view(torch.float16).float() for step in (0, 1, -1)]
+
+
+def _blocks_by_candidates(blocks: torch.Tensor, candidates: list[torch.Tensor], rebuild) -> tuple | None:
+    """For each block, the first candidate scale whose quantization `rebuild(scale) -> (q, values)` gives the block's
+    values exactly. Returns (scale, q) for all blocks, or None when some block has no such scale."""
+    scale = torch.zeros(blocks.shape[:-1] + (1,))
+    q_all = torch.zeros(blocks.shape, dtype=torch.int16)
+    found = torch.zeros(blocks.shape[:-1] + (1,), dtype=torch.bool)
+    for candidate in candidates:
+        q, values = rebuild(candidate)
+        exact = (values == blocks).all(-1, keepdim=True) & ~found
+        scale = torch.where(exact, candidate, scale)
+        q_all = torch.where(exact, q, q_all)
+        found |= exact
+        if bool(found.all()):
+            return scale[..., 0], q_all
+    return None
+
+
+def _pack_q4_1(weight: torch.Tensor) -> PackedWeight | None:
+    n, k = weight.shape
+    blocks = weight.view(n, k // BLOCK, BLOCK)
+    minimum = blocks.amin(-1, keepdim=True)
+    if not torch.equal(minimum.half().float(), minimum):  # GGUF stores it in float16: not a Q4_1 weight
+        return None
+
+    def rebuild(scale):
+        q = torch.where(scale > 0, (blocks - minimum) / scale, 0.0).round_().clamp_(0, 15)
+        return q.to(torch.int16), torch.add(torch.mul(scale, q), minimum)  # two roundings, as GGUF's dequantization
+
+    found = _blocks_by_candidates(blocks, _float16_neighbours((blocks.amax(-1, keepdim=True) - minimum) / 15), rebuild)
+    if found is None:
+        return None
+    scale, q = found
+    data = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).to(torch.uint8).reshape(n, k // 2)
+    return PackedWeight("q4_1", (n, k), data, scale.contiguous(), minimum[..., 0].contiguous())
+
+
+def _pack_q8_0(weight: torch.Tensor) -> PackedWeight | None:
+    n, k = weight.shape
+    blocks = weight.view(n, k // BLOCK, BLOCK)
+
+    def rebuild(scale):
+        q = torch.where(scale > 0, blocks / scale, 0.0).round_().clamp_(-128, 127)
+        return q.to(torch.int16), torch.mul(q, scale)
+
+    found = _blocks_by_candidates(blocks, _float16_neighbours(blocks.abs().amax(-1, keepdim=True) / 127), rebuild)
+    if found is None:
+        return None
+    scale, q = found
+    return PackedWeight("q8_0", (n, k), q.to(torch.int8).reshape(n, k), scale.contiguous())
+
+
+def _pack_bf16(weight: torch.Tensor) -> PackedWeight | None:
+    packed = weight.bfloat16()
+    if not torch.equal(packed.float(), weight):
+        return None
+    return PackedWeight("bf16", tuple(weight.shape), packed.view(torch.int16).contiguous())
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """`weight` (float32 [N, K]) in the most compact form that holds every one of its values exactly: GGUF's Q4_1
+    (0.75 bytes a weight here) or Q8_0 (1.125) for a weight dequantized from those, bfloat16 (2) for a bfloat16 one;
+    None when no form does (or the shape does not suit one). Cheap for weights that are none of these: each form
+    is first tried on a few rows."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    if k % LANES_PER_VECTOR:
+        return None
+    packers = ([_pack_q4_1, _pack_q8_0] if k % BLOCK == 0 else []) + [_pack_bf16]
+    for packer in packers:
+        if packer(weight[:8]) is not None:
+            packed = packer(weight)
+            if packed is not None:
+                return packed
+    return None
+
+
+
+def packed_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False) -> torch.Tensor:
+    """`x @ W.T` for the float32 weight W that `weight` packs, on the native kernel: the same result, bit for bit,
+    as `small_gemm(x, W)`, reading a fraction of the bytes."""
+    library = _build()[0]
+    if library is None:
+        raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"the native kernel multiplies float32 [M, {weight.shape[1]}] on CPU by the packed weight, "
+                         f"not {x.dtype} {tuple(x.shape)} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0])
+    function = library.packed_gemm_parallel if parallel else library.packed_gemm
+    scale = weight.scale.data_ptr() if weight.scale is not None else None
+    minimum = weight.minimum.data_ptr() if weight.minimum is not None else None
+    function(FORMATS[weight.format], x.data_ptr(), weight.data.data_ptr(), scale, minimum, out.data_ptr(),
+             x.shape[0], weight.shape[0], x.shape[1])
     return out

@@ -6,7 +6,8 @@ each measured interleaved in one run.
 1. Plain decoding: `flashdraft.generate(block_size=1)` (library defaults, so the engine) against a separately loaded
    transformers model's own `generate` (greedy, its defaults), prompt by prompt in turns: tokens per second, and
    whether the tokens are identical.
-2. Forward costs after a cached context: the engine's T(n) against transformers' T(1) and T(n).
+2. Forward costs after a cached context: the engine's T(n) against transformers' T(1) and T(n), and against the
+   same engine reading every weight as float32 (`FLASHDRAFT_PACKED=0`, a separately loaded copy of the model).
 3. The draft pass (the shipped draft at its block size) against the engine's T(1).
 4. Regeneration (`TargetModel.generate_batch`, batches of 8 prompts, greedy): response tokens per CPU-second of
    this process, engine against transformers.
@@ -54,12 +55,17 @@ def main() -> None:
     reference = TargetModel(reference_model, engine="transformers")
     if target.engine is None:
         raise SystemExit(f"the engine cannot run {args.target}: {unsupported_reason(model)}")
+    os.environ["FLASHDRAFT_PACKED"] = "0"  # read when an engine is built: this one keeps float32 weights only
+    float32_target = TargetModel(load_target(args.target)[0])
+    assert float32_target.engine is not None
+    del os.environ["FLASHDRAFT_PACKED"]
     samples = get_dataset(args.dataset).load(max(args.prompts, args.regenerate_prompts))
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": s.turns[0]}]) for s in samples]
     blas = "MKL" if torch.backends.mkl.is_available() else "other"
     print(f"{args.target}, float32, {args.threads} torch thread(s), torch BLAS {blas}, numpy "
           f"{__import__('numpy').__version__}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; kernels chosen: "
-          + ", ".join(f"{kind} {target.engine.kernels.table.get(kind)}" for kind in ("qkv", "head")))
+          + ", ".join(f"{kind} {target.engine.kernels.table.get(kind)}" for kind in ("qkv", "head"))
+          + f"; weights read as {target.engine.packed_formats()}")
 
     # 1. Plain decoding, prompt by prompt in turns; neither stops early, so both make max_new_tokens tokens.
     decode = {"flashdraft": [], "transformers": []}
@@ -90,7 +96,7 @@ def main() -> None:
     ids = torch.randint(0, target.vocab_size, (1, context + max(KERNEL_ROWS)))
     positions = torch.arange(ids.shape[1])[None]
     caches = {}
-    for name, adapter in (("flashdraft", target), ("transformers", reference)):
+    for name, adapter in (("flashdraft", target), ("transformers", reference), ("float32", float32_target)):
         caches[name] = adapter.new_cache()
         adapter.forward(ids[:, :context], positions[:, :context], caches[name], None, logits_to_keep=1)
 
@@ -116,6 +122,7 @@ def main() -> None:
     sizes = (1, 2, 4, 8, 16)
     works = {f"flashdraft T({n})": forward(target, "flashdraft", n) for n in sizes}
     works |= {f"transformers T({n})": forward(reference, "transformers", n) for n in (1, 4, 16)}
+    works |= {f"flashdraft T({n}), float32 weights": forward(float32_target, "float32", n) for n in (1, 4, 16)}
     works[f"draft pass (block {draft.block_size})"] = draft_pass
     seconds = interleaved_seconds(works, args.repeats, statistics.median)
     eager_one = seconds["transformers T(1)"]

@@ -44,9 +44,9 @@ def main() -> None:
     used: dict[str, str] = {}
 
     def timed(name, product):
-        def run(x, weight, weight_np):
+        def run(x, weight, forms):
             began = time.perf_counter()
-            out = product(x, weight, weight_np)
+            out = product(x, weight, forms)
             spent[kinds[id(weight)]] += time.perf_counter() - began
             used[kinds[id(weight)]] = name
             return out

@@ -248,3 +248,39 @@ def test_load_target_records_the_engine_for_every_wrapper(tmp_path):
     assert TargetModel(model, engine="transformers").engine is None  # an explicit choice wins
     with pytest.raises(ValueError, match="bfloat16"):
         load_target(str(tmp_path / "t"), dtype=torch.bfloat16, engine="flashdraft")
+
+
+def test_a_target_from_a_gguf_checkpoint_runs_on_packed_weights_with_the_same_results():
+    from test_native import as_gguf_q4_1, as_gguf_q8_0
+
+    from flashdraft import native
+    from flashdraft.engine import WeightForms
+
+    if not native.available():
+        pytest.skip(f"native kernel: {native.unavailable_reason()}")
+    model = tiny_target("llama", hidden_size=64)
+    with torch.no_grad():  # the weights as a Q4_1 checkpoint with a Q8_0 embedding would load them
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2:
+                parameter.copy_((as_gguf_q8_0 if "embed" in name or "lm_head" in name else as_gguf_q4_1)(parameter))
+    packed_target, reference = both_of(model)
+    engine = packed_target.engine
+    assert engine.packed_formats() == {"head": ["q8_0"], "qkv": ["q4_1"], "o": ["q4_1"], "gate_up": ["q4_1"],
+                                       "down": ["q4_1"]}
+    unpacked = Engine(model)
+    unpacked.forms = {key: WeightForms(forms.array, None) for key, forms in unpacked.forms.items()}
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    for kernel in ("native", "native-parallel"):
+        engine.kernels = unpacked.kernels = uniform(kernel)
+        got, _ = engine.forward(ids, torch.arange(12)[None], engine.new_cache())
+        same, _ = unpacked.forward(ids, torch.arange(12)[None], unpacked.new_cache())
+        assert torch.equal(got, same)
+    expected, _ = reference.forward(ids, torch.arange(12)[None], reference.new_cache(), None)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    prompt = ids[:, :5]
+    assert generate(model, None, prompt, max_new_tokens=20, block_size=1).tokens == model.generate(
+        prompt, max_new_tokens=20, do_sample=False)[0, 5:].tolist()
+
+
+def both_of(model) -> tuple[TargetModel, TargetModel]:
+    return TargetModel(model, engine="flashdraft"), TargetModel(model, engine="transformers")

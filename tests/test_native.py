@@ -163,3 +163,88 @@ def test_a_draft_projection_on_the_native_kernel_equals_nn_linear():
     with torch.no_grad():
         torch.testing.assert_close(accelerated(x), linear(x), rtol=1e-5, atol=1e-5)
     assert accelerated.kernels.product("down", 6).__name__ == "_native"
+
+
+# Packed weights: float32 values that a GGUF checkpoint (Q4_1, Q8_0) or a bfloat16 one held, in their fewer bytes.
+
+
+def as_gguf_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` quantized as llama.cpp's Q4_1 and dequantized as gguf-py does: float16 d and m per 32 weights,
+    (d * q) + m rounded twice."""
+    blocks = weight.view(weight.shape[0], -1, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).half().float()
+    q = ((blocks - low) / scale).round().clamp(0, 15)
+    return torch.add(torch.mul(scale, q), low.half().float()).view(weight.shape)
+
+
+def as_gguf_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    blocks = weight.view(weight.shape[0], -1, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    return torch.mul((blocks / scale).round().clamp(-128, 127), scale).view(weight.shape)
+
+
+FORMS = {"q4_1": as_gguf_q4_1, "q8_0": as_gguf_q8_0, "bf16": lambda w: w.bfloat16().float()}
+
+
+@requires_native
+@pytest.mark.parametrize("form", list(FORMS))
+def test_each_weight_is_packed_in_the_fewest_bytes_that_hold_it_exactly(form):
+    weight = FORMS[form](torch.randn(40, 96, generator=torch.Generator().manual_seed(3)))
+    packed = native.pack(weight)
+    assert packed is not None and packed.format == form and packed.shape == (40, 96)
+    assert torch.equal(packed.unpack(), weight)
+    bytes_per_weight = {"q4_1": 0.75, "q8_0": 1.125, "bf16": 2.0}[form]
+    assert packed.nbytes == bytes_per_weight * weight.numel()
+
+
+@requires_native
+def test_weights_that_no_form_holds_stay_float32():
+    generator = torch.Generator().manual_seed(4)
+    assert native.pack(torch.randn(40, 96, generator=generator)) is None
+    nearly = as_gguf_q4_1(torch.randn(40, 96, generator=generator))
+    nearly[17, 50] = torch.nextafter(nearly[17, 50], torch.tensor(1.0))  # one value off by one float32 step
+    assert native.pack(nearly) is None
+    assert native.pack(torch.randn(8, 20, generator=generator).bfloat16().float()) is None  # K not whole vectors
+    assert native.pack(as_gguf_q4_1(torch.randn(8, 64, generator=generator)).double()) is None
+    assert native.pack(torch.zeros(3, 32, 32)) is None
+    # K a multiple of 16 but not of 32: no GGUF block fits, bfloat16 still does
+    assert native.pack(torch.randn(8, 48, generator=generator).bfloat16().float()).format == "bf16"
+
+
+@requires_native
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("outputs", [64, 37, 3])
+def test_a_packed_product_is_the_float32_product_to_the_bit(form, outputs):
+    generator = torch.Generator().manual_seed(outputs)
+    weight = FORMS[form](torch.randn(outputs, 128, generator=generator))
+    packed = native.pack(weight)
+    for rows in (1, 2, 3, 4, 5, 8, 16, 33):
+        x = torch.randn(rows, 128, generator=generator)
+        expected = native.small_gemm(x, weight)
+        assert torch.equal(native.packed_gemm(x, packed), expected)
+        assert torch.equal(native.packed_gemm(x, packed, parallel=True), expected)
+
+
+@requires_native
+def test_a_packed_product_refuses_a_wrong_input():
+    packed = native.pack(torch.randn(8, 64).bfloat16().float())
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        native.packed_gemm(torch.randn(2, 32), packed)
+    with pytest.raises(ValueError, match="float32"):
+        native.packed_gemm(torch.randn(2, 64).double(), packed)
+
+
+@requires_native
+def test_a_kernel_linear_never_reads_a_stale_packed_copy():
+    linear = nn.Linear(64, 24, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.bfloat16().float())
+    layer = KernelLinear.replacing(linear, "qkv", KernelChoice({"qkv": {rows: "native" for rows in (1, 4, 8)}}))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(layer(x), native.small_gemm(x, linear.weight.detach()))
+        assert layer._forms.packed.format == "bf16"
+        linear.weight.mul_(1.0001)  # changed in place: no longer bfloat16 values
+        assert torch.equal(layer(x), native.small_gemm(x, linear.weight.detach()))
+        assert layer._forms.packed is None

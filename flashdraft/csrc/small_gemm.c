@@ -14,18 +14,23 @@
  */
 #include <stddef.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LANES 16
 #define TILE_ROWS 4 /* weight rows per tile, and input rows per tile */
 
 /* Pins a value to a vector register. Without it GCC folds each weight load into every multiply-add that uses it,
- * loading a weight once per input row: twice the loads, and split ones on weights that are not 64-byte aligned. */
-#if defined(__x86_64__) || defined(__i386__)
+ * loading a weight once per input row: twice the loads, and split ones on weights that are not 64-byte aligned.
+ * Only where a whole vector of 16 floats fits one register (AVX-512); elsewhere a hint the compiler may ignore.
+ * ROUNDED(v) makes v an opaque value, so that it is rounded before its next use: no fused multiply-add across it. */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX512F__)
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
-#elif defined(__aarch64__)
-#define IN_REGISTER(v) __asm__("" : "+w"(v))
+#define ROUNDED(v) IN_REGISTER(v)
 #else
 #define IN_REGISTER(v) ((void)0)
+#define ROUNDED(v) __asm__("" : "+m"(v))
 #endif
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -109,4 +114,185 @@ void small_gemm_parallel(const float *x, const float *w, float *y, long M, long 
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tiles; t++) weight_tiles(x, w, y, M, N, K, t, t + 1);
     remainder_rows(x, w, y, M, N, K);
+}
+
+/* Packed weights: the same float32 values in fewer bytes, for weights that hold them exactly (native.py's `pack`
+ * checks every element). A weight loaded from a quantized checkpoint (GGUF's Q4_1 and Q8_0, dequantized to float32)
+ * or a bfloat16 one is a fraction of its float32 bytes, and a product of a few rows is bound by those bytes. Each
+ * vector of weights is unpacked into float32 in registers where `tile` would load it, and multiplied in the same
+ * order: the result is the float32 kernel's, bit for bit.
+ *
+ *   bf16: the upper half of each float32 (uint16 [N, K]).
+ *   q8_0: w = q * d, an int8 q per weight and a float32 d per 32 weights along K (GGUF's Q8_0 dequantized).
+ *   q4_1: w = (d * q) + m, rounded after the product and after the sum as GGUF's dequantization does, never
+ *         fused; a 4-bit q per weight (byte i of a block of 32: q[i] low, q[i + 16] high) and float32 d and m per
+ *         32 weights. */
+enum { BF16 = 1, Q8_0 = 2, Q4_1 = 3 };
+#define BLOCK 32
+
+typedef int i32v __attribute__((vector_size(LANES * sizeof(int))));
+
+/* 16 narrow integers widened to 32 bits. GCC lowers __builtin_convertvector from 8- or 16-bit lanes to scalar code,
+ * hence the intrinsics; other CPUs take the plain loop, which compilers vectorize well enough. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline i32v widen_u8(const unsigned char *p) {
+    i32v v;
+#if defined(__AVX512F__)
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                  hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < LANES; i++) v[i] = p[i];
+#endif
+    return v;
+}
+
+static inline i32v widen_i8(const signed char *p) {
+    i32v v;
+#if defined(__AVX512F__)
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+    const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                  hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < LANES; i++) v[i] = p[i];
+#endif
+    return v;
+}
+
+static inline i32v widen_u16(const unsigned short *p) {
+    i32v v;
+#if defined(__AVX512F__)
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
+                  hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < LANES; i++) v[i] = p[i];
+#endif
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* Lanes k..k+15 of row n of a packed weight, as float32 (k a multiple of 16). FORMAT is a constant at every call. */
+static inline __attribute__((always_inline)) vec weight_lanes(const int FORMAT, const void *data, const float *scale,
+                                                             const float *minimum, long n, long k, long K) {
+    if (FORMAT == BF16) {
+        const i32v bits = widen_u16((const unsigned short *)data + n * K + k) << 16;
+        vec v;
+        memcpy(&v, &bits, sizeof v);
+        return v;
+    }
+    const long block = n * (K / BLOCK) + k / BLOCK;
+    if (FORMAT == Q8_0)
+        return __builtin_convertvector(widen_i8((const signed char *)data + n * K + k), vec) * scale[block];
+    const i32v q = widen_u8((const unsigned char *)data + n * (K / 2) + k / BLOCK * (BLOCK / 2));
+    vec w = __builtin_convertvector(k % BLOCK ? q >> 4 : q & 15, vec) * scale[block];
+    ROUNDED(w); /* the product rounded before the sum, as GGUF's dequantization does */
+    return w + minimum[block];
+}
+
+static size_t row_bytes(int format, long K) { return format == BF16 ? 2 * K : format == Q8_0 ? K : K / 2; }
+
+/* Up to 4 input rows against 4 packed weight rows, unpacked straight into registers: `tile` with another load. */
+static inline __attribute__((always_inline)) void packed_tile(const int FORMAT, const int MR, const float *x,
+                                                             const void *data, const float *scale,
+                                                             const float *minimum, long n, float *y, long N, long K) {
+    vec acc[TILE_ROWS][TILE_ROWS];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_ROWS; j++) acc[i][j] = (vec){0};
+    const char *next = (const char *)data + (n + TILE_ROWS) * row_bytes(FORMAT, K);
+    for (long k = 0; k < K; k += LANES) {
+        vec wv[TILE_ROWS];
+        for (int j = 0; j < TILE_ROWS; j++) {
+            wv[j] = weight_lanes(FORMAT, data, scale, minimum, n + j, k, K);
+            IN_REGISTER(wv[j]);
+        }
+        if (k % 64 == 0) /* the next tile's bytes; past the end of the weight a harmless hint */
+            for (int j = 0; j < TILE_ROWS; j++)
+                __builtin_prefetch(next + j * row_bytes(FORMAT, K) + k * row_bytes(FORMAT, K) / K, 0, 0);
+        for (int i = 0; i < MR; i++) {
+            const vec xv = load(x + i * K + k);
+            for (int j = 0; j < TILE_ROWS; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_ROWS; j++) y[i * N + n + j] = lane_sum(acc[i][j]);
+}
+
+/* Weight tiles first..end-1 against all M rows, 4 at a time: each tile is unpacked again for every 4 rows, from
+ * bytes in the L1 cache by then, which costs less than a trip through a float32 buffer. */
+#define PACKED_TILES(FORMAT)                                                                                       \
+    static void packed_tiles_##FORMAT(const float *x, const void *data, const float *scale, const float *minimum, \
+                                      float *y, long M, long N, long K, long first, long end) {                   \
+        for (long t = first; t < end; t++)                                                                         \
+            for (long m = 0; m < M; m += TILE_ROWS) {                                                              \
+                const float *xm = x + m * K;                                                                       \
+                float *ym = y + m * N;                                                                             \
+                switch (M - m < TILE_ROWS ? M - m : TILE_ROWS) {                                                   \
+                case 4: packed_tile(FORMAT, 4, xm, data, scale, minimum, t * TILE_ROWS, ym, N, K); break;          \
+                case 3: packed_tile(FORMAT, 3, xm, data, scale, minimum, t * TILE_ROWS, ym, N, K); break;          \
+                case 2: packed_tile(FORMAT, 2, xm, data, scale, minimum, t * TILE_ROWS, ym, N, K); break;          \
+                case 1: packed_tile(FORMAT, 1, xm, data, scale, minimum, t * TILE_ROWS, ym, N, K); break;          \
+                }                                                                                                  \
+            }                                                                                                      \
+    }
+PACKED_TILES(BF16)
+PACKED_TILES(Q8_0)
+PACKED_TILES(Q4_1)
+
+static void packed_tiles(int format, const float *x, const void *data, const float *scale, const float *minimum,
+                         float *y, long M, long N, long K, long first, long end) {
+    if (format == BF16) packed_tiles_BF16(x, data, scale, minimum, y, M, N, K, first, end);
+    else if (format == Q8_0) packed_tiles_Q8_0(x, data, scale, minimum, y, M, N, K, first, end);
+    else packed_tiles_Q4_1(x, data, scale, minimum, y, M, N, K, first, end);
+}
+
+/* The last N % 4 weight rows, one at a time through a buffer. */
+static void packed_remainder(int format, const float *x, const void *data, const float *scale, const float *minimum,
+                             float *y, long M, long N, long K) {
+    float buffer[K] __attribute__((aligned(64)));
+    for (long n = N / TILE_ROWS * TILE_ROWS; n < N; n++) {
+        for (long k = 0; k < K; k += LANES)
+            store(buffer + k, format == BF16   ? weight_lanes(BF16, data, scale, minimum, n, k, K)
+                              : format == Q8_0 ? weight_lanes(Q8_0, data, scale, minimum, n, k, K)
+                                               : weight_lanes(Q4_1, data, scale, minimum, n, k, K));
+        all_input_rows_1(x, buffer, y + n, M, N, K);
+    }
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T for a packed w; `scale` and `minimum` are NULL where the format has none. */
+void packed_gemm(int format, const float *x, const void *data, const float *scale, const float *minimum, float *y,
+                 long M, long N, long K) {
+    packed_tiles(format, x, data, scale, minimum, y, M, N, K, 0, N / TILE_ROWS);
+    packed_remainder(format, x, data, scale, minimum, y, M, N, K);
+}
+
+void packed_gemm_parallel(int format, const float *x, const void *data, const float *scale, const float *minimum,
+                          float *y, long M, long N, long K) {
+    const long tiles = N / TILE_ROWS;
+#ifdef _OPENMP
+    const long chunks = omp_get_max_threads();
+#else
+    const long chunks = 1;
+#endif
+    /* one contiguous run of tiles per thread, so that each prefetches its own next tile */
+#pragma omp parallel for schedule(static)
+    for (long c = 0; c < chunks; c++)
+        packed_tiles(format, x, data, scale, minimum, y, M, N, K, c * tiles / chunks, (c + 1) * tiles / chunks);
+    packed_remainder(format, x, data, scale, minimum, y, M, N, K);
 }
