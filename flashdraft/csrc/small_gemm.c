@@ -138,53 +138,34 @@ typedef int i32v __attribute__((vector_size(LANES * sizeof(int))));
 #include <immintrin.h>
 #endif
 
-static inline i32v widen_u8(const unsigned char *p) {
-    i32v v;
 #if defined(__AVX512F__)
-    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    memcpy(&v, &w, sizeof v);
+#define WIDEN(NAME, TYPE, CVT512, LOAD512, CVT256, LOAD256)                                                        \
+    static inline i32v NAME(const TYPE *p) {                                                                       \
+        const __m512i wide = CVT512(LOAD512((const void *)p));                                                     \
+        i32v v;                                                                                                    \
+        memcpy(&v, &wide, sizeof v);                                                                               \
+        return v;                                                                                                  \
+    }
 #elif defined(__AVX2__)
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
-                  hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    memcpy(&v, &lo, sizeof lo);
-    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#define WIDEN(NAME, TYPE, CVT512, LOAD512, CVT256, LOAD256)                                                        \
+    static inline i32v NAME(const TYPE *p) {                                                                       \
+        const __m256i low = CVT256(LOAD256((const void *)p)), high = CVT256(LOAD256((const void *)(p + 8)));      \
+        i32v v;                                                                                                    \
+        memcpy(&v, &low, sizeof low);                                                                              \
+        memcpy((char *)&v + sizeof low, &high, sizeof high);                                                       \
+        return v;                                                                                                  \
+    }
 #else
-    for (int i = 0; i < LANES; i++) v[i] = p[i];
+#define WIDEN(NAME, TYPE, CVT512, LOAD512, CVT256, LOAD256)                                                        \
+    static inline i32v NAME(const TYPE *p) {                                                                       \
+        i32v v;                                                                                                    \
+        for (int i = 0; i < LANES; i++) v[i] = p[i];                                                               \
+        return v;                                                                                                  \
+    }
 #endif
-    return v;
-}
-
-static inline i32v widen_i8(const signed char *p) {
-    i32v v;
-#if defined(__AVX512F__)
-    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-    memcpy(&v, &w, sizeof v);
-#elif defined(__AVX2__)
-    const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
-                  hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    memcpy(&v, &lo, sizeof lo);
-    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
-#else
-    for (int i = 0; i < LANES; i++) v[i] = p[i];
-#endif
-    return v;
-}
-
-static inline i32v widen_u16(const unsigned short *p) {
-    i32v v;
-#if defined(__AVX512F__)
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    memcpy(&v, &w, sizeof v);
-#elif defined(__AVX2__)
-    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
-                  hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
-    memcpy(&v, &lo, sizeof lo);
-    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
-#else
-    for (int i = 0; i < LANES; i++) v[i] = p[i];
-#endif
-    return v;
-}
+WIDEN(widen_u8, unsigned char, _mm512_cvtepu8_epi32, _mm_loadu_si128, _mm256_cvtepu8_epi32, _mm_loadl_epi64)
+WIDEN(widen_i8, signed char, _mm512_cvtepi8_epi32, _mm_loadu_si128, _mm256_cvtepi8_epi32, _mm_loadl_epi64)
+WIDEN(widen_u16, unsigned short, _mm512_cvtepu16_epi32, _mm256_loadu_si256, _mm256_cvtepu16_epi32, _mm_loadu_si128)
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
