@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from .files import choose_thread_waiting
 
 COMMAND_MODULES = (
     "flashdraft.commands.generate",
@@ -58,10 +59,10 @@ def check_device(name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # OpenMP's default busy-waiting makes torch on a shared CPU many times slower (measured 15x here when another
-    # process computes); passive waiting costs nothing when the machine is quiet. Set by the command line only (a
-    # library leaves its user's environment alone), before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # How torch's threads wait: spinning briefly on a quiet machine, sleeping at once beside other work
+    # (`choose_thread_waiting`). Set by the command line only (a library leaves its user's environment alone), before
+    # torch loads.
+    choose_thread_waiting()
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "device", None) not in (None, "auto"):

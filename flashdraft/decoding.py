@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from .adaptive import BlockSizeController, cached_costs
 from .draft import DFlashDraftModel
 from .proposals import LOOKUP_BLOCK_SIZE, PROPOSAL_MODES, DFlashProposer, HybridProposer, Proposer
-from .sampling import SamplingParams, accept_greedy, accept_sampled, check_seed, probabilities, sample
+from .sampling import SamplingParams, accept_greedy, accept_sampled, check_seed, greedy, probabilities, sample
 from .target import TargetModel
 
 
@@ -321,7 +321,7 @@ def round_rules(params: SamplingParams, generator: torch.Generator | None):
     """The greedy or the sampled rules: (pick: [1, V] logits -> [1] token; accept: (proposals [B-1], q [B-1, V] or
     None, target logits [B, V]) -> (accepted, bonus) 0-d tensors, see `flashdraft.sampling`)."""
     if params.greedy:
-        return (lambda logits: logits.argmax(dim=-1)), (lambda proposals, q, logits: accept_greedy(proposals, logits))
+        return greedy, (lambda proposals, q, logits: accept_greedy(proposals, logits))
 
     def accept(proposals, q, logits):  # the module's accept_sampled, looked up when called
         return accept_sampled(proposals, q, probabilities(logits, params), generator)

@@ -37,7 +37,7 @@ from threadpoolctl import ThreadpoolController
 from torch import nn
 
 from . import native
-from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement
+from .files import BUSY_CORES, WAITING_VARIABLES, cached_measurement, other_processes_cpu, save_measurement
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # tables that depend on the position alone
@@ -45,7 +45,7 @@ KERNEL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # rows (tokens x sequences) me
 # numpy's BLAS threads busy-wait between calls and stall badly when another process holds a core (seen here: a
 # forward 20x slower); one thread, inside the engine only, never oversubscribes.
 _ONE_BLAS_THREAD = ThreadpoolController().select(internal_api="openblas")
-THREADING_VARIABLES = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_BLOCKTIME")
+THREADING_VARIABLES = (*WAITING_VARIABLES, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_BLOCKTIME")
 
 
 @dataclass(frozen=True)
@@ -265,6 +265,48 @@ class _Layer:
     down: torch.Tensor
 
 
+def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch.Tensor]) -> _Layer:
+    """A decoder layer's weights in the engine's form (a Llama/Qwen layer or a DFlash draft layer: the same names),
+    the q/k/v and the gate/up projections each one weight made by `fuse`."""
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    qkv_bias = None
+    if attention.q_proj.bias is not None:
+        qkv_bias = torch.cat([p.bias.detach() for p in projections])
+    q_norm = getattr(attention, "q_norm", None)
+    k_norm = getattr(attention, "k_norm", None)
+    return _Layer(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv=fuse(projections),
+        qkv_bias=qkv_bias,
+        q_norm=q_norm.weight.detach() if q_norm is not None else None,
+        k_norm=k_norm.weight.detach() if k_norm is not None else None,
+        o=_aligned(attention.o_proj.weight),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=fuse((mlp.gate_proj, mlp.up_proj)),
+        down=_aligned(mlp.down_proj.weight),
+    )
+
+
+class RotaryTables:
+    """A rotary embedding's cos and signed sin [positions, head_dim], for positions 0..length-1 at least (grown by
+    doubling; rope types whose tables depend on the position alone, `STATIC_ROPE_TYPES`). The sin table's first half
+    is negated, so that rotate_half(x) * sin = x.roll(half) * signed_sin: one operator instead of four, and the same
+    products."""
+
+    def __init__(self, rotary: nn.Module, head_dim: int):
+        self.rotary, self.head_dim = rotary, head_dim
+        self.cos = self.sin = None
+
+    def __call__(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.cos.shape[0] < length:
+            size = max(256, 2 * (self.cos.shape[0] if self.cos is not None else 0), length)
+            cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32), torch.arange(size)[None])
+            half = self.head_dim // 2
+            self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return self.cos, self.sin
+
+
 class KernelChoice:
     """The fastest product per weight kind and row count, measured on this machine (see `measure_kernels`)."""
 
@@ -341,11 +383,10 @@ class Engine:
         self.head_weight = _aligned(model.get_output_embeddings().weight)
         self.embed = model.get_input_embeddings().weight
         self.norm = base.norm.weight
-        self.rotary = base.rotary_emb
-        self.layers = [self._layer(layer) for layer in base.layers]
+        self.rotary = RotaryTables(base.rotary_emb, self.head_dim)
+        self.layers = [_layer_weights(layer, self._fuse) for layer in base.layers]
         self.forms = {id(w): WeightForms.of(w) for w in self._weights()}
         self.kernels = KernelChoice({})
-        self._cos = self._sin = None
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this engine still runs on `model`'s weights (not so after e.g. `model.to(dtype)`)."""
@@ -369,26 +410,6 @@ class Engine:
             linear.weight = nn.Parameter(fused[offset : offset + rows], requires_grad=linear.weight.requires_grad)
             offset += rows
         return fused
-
-    def _layer(self, layer: nn.Module) -> _Layer:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        qkv_bias = None
-        if attention.q_proj.bias is not None:
-            qkv_bias = torch.cat([p.bias.detach() for p in projections])
-        q_norm = getattr(attention, "q_norm", None)
-        k_norm = getattr(attention, "k_norm", None)
-        return _Layer(
-            input_norm=layer.input_layernorm.weight.detach(),
-            qkv=self._fuse(projections),
-            qkv_bias=qkv_bias,
-            q_norm=q_norm.weight.detach() if q_norm is not None else None,
-            k_norm=k_norm.weight.detach() if k_norm is not None else None,
-            o=_aligned(attention.o_proj.weight),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=self._fuse((mlp.gate_proj, mlp.up_proj)),
-            down=_aligned(mlp.down_proj.weight),
-        )
 
     def _weights(self) -> list[torch.Tensor]:
         return [self.head_weight] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up,
@@ -417,17 +438,6 @@ class Engine:
 
     def new_cache(self, by_position: bool = False) -> EngineCache:
         return EngineCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, by_position)
-
-    def _rotary_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [positions, head_dim] for positions 0..length-1 at least (grown by doubling). The
-        sin table's first half is negated, so that rotate_half(x) * sin = x.roll(half) * signed_sin: one operator
-        instead of four, and the same products."""
-        if self._cos is None or self._cos.shape[0] < length:
-            size = max(256, 2 * (self._cos.shape[0] if self._cos is not None else 0), length)
-            cos, sin = self.rotary(self.embed[:1][None], torch.arange(size)[None])
-            half = self.head_dim // 2
-            self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-        return self._cos, self._sin
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.kernels.product(kind, x.shape[0])(x, weight, self.forms[id(weight)])
@@ -459,7 +469,7 @@ class Engine:
             cache.padding[:, start:end] = padding
         heads, kv_heads, head_dim, eps = self.num_heads, self.kv_heads, self.head_dim, self.eps
         rows = batch * n
-        cos, sin = self._rotary_tables(int(position_ids.max()) + 1)
+        cos, sin = self.rotary(int(position_ids.max()) + 1)
         cos, sin = cos[position_ids].view(rows, 1, head_dim), sin[position_ids].view(rows, 1, head_dim)
         visible = self._visible(cache, batch, n, start, end, position_ids)  # [b, 1, n, end] or None
         wanted = set(layer_ids or ())
@@ -535,6 +545,102 @@ class Engine:
             itself = keys[None, None, :] == queries[None, :, None]
             visible = (visible & ~cache.padding[:, None, :end]) | itself
         return visible[:, None]
+
+
+class DraftEngine:
+    """A DFlash draft's inference pass (`DFlashDraftModel.forward` without gradients) on a target engine's kernels:
+    the module's arithmetic in the target engine's form (BENCHMARKS.md, "The draft pass on the engine"): q/k/v
+    computed for the whole window [context ; block] in one product (the queries of the context rows come for free
+    with a kernel that reads each weight once, and are dropped), gate/up in one, every norm one operator, rotary
+    from a table, attention through torch's fused kernel. The fused weights are copies, made again whenever the
+    draft's parameters move or change in place, so a draft in training keeps its own parameters and its optimizer's
+    hold on them. Use `for_draft`, which says None where the module's own forward must run."""
+
+    def __init__(self, draft: nn.Module, engine: Engine):
+        config = draft.config
+        self.draft, self.engine = draft, engine
+        self.num_heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                        config.head_dim)
+        self.eps = config.rms_norm_eps
+        self.rotary = RotaryTables(draft.rotary_emb, self.head_dim)
+        self.parameters = list(draft.parameters())
+        self._made_from = None
+
+    @classmethod
+    def for_draft(cls, draft: nn.Module, engine: Engine | None) -> DraftEngine | None:
+        """The draft's pass on `engine`, or None where only the module runs it: no engine, a draft off CPU
+        float32, with sliding-window layers, attention biases or a rope whose tables move with the sequence."""
+        config = draft.config
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if (engine is None or draft.dtype != torch.float32 or draft.device.type != "cpu" or config.attention_bias
+                or config.hidden_act != "silu" or rope.get("rope_type", "default") not in STATIC_ROPE_TYPES
+                or "sliding_attention" in config.layer_types):
+            return None
+        return cls(draft, engine)
+
+    def _weights(self) -> None:
+        """The fused copies and their forms, made again when a parameter moved (`.to`, a new `.data`) or changed
+        in place (an optimizer step, `load_state_dict`): a parameter's version counts every in-place change."""
+        made_from = [(p.data_ptr(), p._version) for p in self.parameters]
+        if made_from == self._made_from:
+            return
+        draft = self.draft
+        self.layers = [_layer_weights(layer, _concatenated) for layer in draft.layers]
+        self.fc = _aligned(draft.fc.weight)
+        self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
+        weights = [self.fc] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.forms = {id(w): WeightForms.of(w) for w in weights}
+        self._made_from = [(p.data_ptr(), p._version) for p in self.parameters]  # after `_aligned`'s moves
+
+    def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.engine.kernels.product(kind, x.shape[0])(x, weight, self.forms[id(weight)])
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        noise_embedding: torch.Tensor,  # [b, q, d]
+        target_hidden: torch.Tensor,  # [b, c, k*d]
+        position_ids: torch.Tensor,  # [b, c + q]
+        cache=None,  # DraftCache or RowDraftCache (their `update`)
+        attention_mask: torch.Tensor | None = None,  # bool [b, 1, q, end], True = visible
+    ) -> torch.Tensor:
+        """`DFlashDraftModel.forward`: the block's final hidden states [b, q, d]."""
+        with _ONE_BLAS_THREAD.limit(limits=1):
+            return self._forward(noise_embedding, target_hidden, position_ids, cache, attention_mask)
+
+    def _forward(self, noise_embedding, target_hidden, position_ids, cache, attention_mask):
+        self._weights()
+        heads, kv_heads, head_dim, eps = self.num_heads, self.kv_heads, self.head_dim, self.eps
+        batch, q_len, d = noise_embedding.shape
+        width = target_hidden.shape[1]
+        n = width + q_len
+        context = self._product("down", target_hidden.reshape(batch * width, -1), self.fc)
+        context = F.rms_norm(context, (d,), self.hidden_norm, eps).view(batch, width, d)
+        cos, sin = self.rotary(int(position_ids.max()) + 1)
+        cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [b, n, 1, hd]
+        h = noise_embedding.reshape(batch * q_len, d)
+        for index, layer in enumerate(self.layers):
+            normed = F.rms_norm(h, (d,), layer.input_norm, eps).view(batch, q_len, d)
+            window = torch.cat([context, normed], dim=1).view(batch * n, d)
+            qkv = self._product("qkv", window, layer.qkv).view(batch, n, heads + 2 * kv_heads, head_dim)
+            qk = torch.cat([F.rms_norm(qkv[:, :, :heads], (head_dim,), layer.q_norm, eps),
+                            F.rms_norm(qkv[:, :, heads : heads + kv_heads], (head_dim,), layer.k_norm, eps)], dim=2)
+            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
+            queries = qk[:, width:, :heads].transpose(1, 2)  # the block's queries only: [b, H, q, hd]
+            keys, values = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
+            if cache is not None:
+                keys, values = cache.update(keys, values, index)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask,
+                                                      enable_gqa=heads != kv_heads)  # [b, H, q, hd]
+            h = h + self._product("o", attended.transpose(1, 2).reshape(batch * q_len, -1), layer.o)
+            gate, up = self._product("gate_up", F.rms_norm(h, (d,), layer.post_norm, eps), layer.gate_up).chunk(2, -1)
+            h = h + self._product("down", F.silu(gate) * up, layer.down)
+        return F.rms_norm(h, (d,), self.norm, eps).view(batch, q_len, d)
+
+
+def _concatenated(linears: Sequence[nn.Linear]) -> torch.Tensor:
+    """One weight for several projections of the same input, as a copy (the draft's parameters stay its own)."""
+    return torch.cat([linear.weight.detach() for linear in linears])
 
 
 def measure_kernels(engine: Engine, repeats: int = 3, progress: Callable[[int], None] | None = None) -> KernelChoice:

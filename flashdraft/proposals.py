@@ -36,7 +36,7 @@ import torch
 from .adaptive import VerifyCosts
 from .draft import DFlashDraftModel, DraftCache, RowDraftCache
 from .lookup import ContextIndex
-from .sampling import SamplingParams, probabilities, sample
+from .sampling import SamplingParams, greedy, probabilities, sample
 from .target import TargetModel
 
 GREEDY = SamplingParams()
@@ -86,7 +86,7 @@ def draft_tokens(
     """A draft's logits -> (proposals [n] target ids, q [n, V] or None when greedy): the argmax when greedy, else a
     draw from the logits warped like the target's (the same `probabilities`, so q matches p's shaping)."""
     if params.greedy:
-        proposals, q = logits.argmax(dim=-1), None
+        proposals, q = greedy(logits), None
     else:
         q = probabilities(logits, params)
         proposals = sample(q, generator)
@@ -114,13 +114,15 @@ class DFlashProposer:
         self.block_size = draft.block_size
         # Only the rows of the drafting vocabulary, if any: the full head dominates a small draft's cost.
         self.head = target.head_rows(self.vocab_ids)
-        target.accelerate(draft)  # the target engine's kernels serve the draft's products too
+        # The draft's pass on the target's engine where it runs there, else the module with the engine's kernels.
+        self.forward = target.draft_forward(draft)
+        self.dtype = draft.dtype  # a draft may run in another precision than its target
         self.proposed = False  # whether a round's proposals await `observe`
 
     def begin(self, max_positions: int) -> None:
         device = self.target.device
         # Verified context K/V only: the block's own K/V are dropped again after every pass.
-        self.cache = DraftCache(self.draft.config, max_positions, device=device, dtype=self.draft.dtype)
+        self.cache = DraftCache(self.draft.config, max_positions, device=device, dtype=self.dtype)
         self.positions = torch.arange(max_positions, device=device)[None]
         self.mask_ids = torch.full((1, max_positions), self.draft.mask_token_id, device=device)
         self.proposed = False
@@ -132,8 +134,8 @@ class DFlashProposer:
         the rows a round uses."""
         block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
         first_position = start - context.shape[1]
-        dtype = self.draft.dtype  # a draft may run in another precision than its target
-        hidden = self.draft(
+        dtype = self.dtype
+        hidden = self.forward(
             self.target.embed(block).to(dtype), context.to(dtype),
             self.positions[:, first_position : start + block_size], self.cache,
         )
@@ -155,7 +157,7 @@ class DFlashProposer:
 
     def new_row_cache(self) -> RowDraftCache:
         """The draft's cache for sequences drafted together (`logits_rows`)."""
-        return RowDraftCache(self.draft.config, device=self.target.device, dtype=self.draft.dtype)
+        return RowDraftCache(self.draft.config, device=self.target.device, dtype=self.dtype)
 
     @torch.no_grad()
     def logits_rows(
@@ -166,7 +168,7 @@ class DFlashProposer:
         contexts ([1, c_r, k*d] each, ending right before the anchor at `starts[r]`) and round sizes. Returns each
         row's [sizes[r] - 1, V_draft] logits."""
         widths = [context.shape[1] for context in contexts]
-        width, dtype, device = max(widths), self.draft.dtype, self.target.device
+        width, dtype, device = max(widths), self.dtype, self.target.device
         context = torch.zeros(len(rows), width, contexts[0].shape[-1], dtype=dtype, device=device)
         for i, row_context in enumerate(contexts):  # right-padded: the mask hides the padding
             context[i, : widths[i]] = row_context[0].to(dtype)
@@ -177,7 +179,7 @@ class DFlashProposer:
                                torch.tensor(starts, device=device)[:, None] + torch.arange(block_size, device=device)],
                               dim=1)  # [b', width + B]
         mask = cache.begin_pass(rows, widths, block_size)
-        hidden = self.draft(self.target.embed(block).to(dtype), context, positions, cache, attention_mask=mask)
+        hidden = self.forward(self.target.embed(block).to(dtype), context, positions, cache, attention_mask=mask)
         cache.end_pass(rows, widths)
         used = torch.cat([hidden[i, 1:size] for i, size in enumerate(sizes)])  # the anchor's output is dropped
         return list(self.head(used.to(self.head.weight.dtype)).split([size - 1 for size in sizes]))

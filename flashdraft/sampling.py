@@ -101,6 +101,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> [...] token ids: the first largest entry of each row, as `argmax(dim=-1)`. On CPU float32
+    through numpy's vectorised argmax: torch's takes 40-60 us for one 49,152-entry row here, numpy's 5, and a step
+    takes one per round at least."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.as_tensor(logits.numpy().argmax(-1))
+    return logits.argmax(dim=-1)
+
+
 def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification.
 
@@ -108,7 +117,7 @@ def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple
     longest prefix where proposal i equals the target's argmax after position i-1; bonus: 0-d tensor, the
     target's argmax after the last accepted token).
     """
-    choice = target_logits.argmax(dim=-1)  # [B]
+    choice = greedy(target_logits)  # [B]
     accepted = matching_prefix(proposals, choice[:-1])
     return accepted, choice[accepted]
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from .engine import Engine, EngineCache, cached_kernels, unsupported_reason
-from .sampling import SamplingParams, probabilities, sample
+from .engine import DraftEngine, Engine, EngineCache, cached_kernels, unsupported_reason
+from .sampling import SamplingParams, greedy, probabilities, sample
 
 ENGINES = ("auto", "flashdraft", "transformers")
 _ENGINE_CHOICE = "_flashdraft_engine_choice"
@@ -280,6 +280,11 @@ class TargetModel:
             return module
         return engine.accelerate(module)
 
+    def draft_forward(self, draft: nn.Module) -> Callable[..., torch.Tensor]:
+        """The draft's inference forward: its pass on this target's engine where it runs there (`DraftEngine`),
+        else the module itself, its products on the engine's kernels where there is an engine."""
+        return DraftEngine.for_draft(draft, self.engine) or self.accelerate(draft)
+
     def freeze(self) -> None:
         """No gradient for any of the target's weights (training a draft against it)."""
         for parameter in self.model.parameters():
@@ -505,6 +510,6 @@ def _pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gene
     """[b, V] logits -> [b] next tokens: argmax at temperature 0, else a draw from softmax(logits / T) with the
     decoding loop's own sampler, on the generator's device."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     probs = probabilities(logits, SamplingParams(temperature))
     return sample(probs.to(generator.device if generator is not None else "cpu"), generator).to(logits.device)

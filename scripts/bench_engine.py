@@ -11,8 +11,8 @@ each measured interleaved in one run.
 3. The draft pass (the shipped draft at its block size) against the engine's T(1).
 4. Regeneration (`TargetModel.generate_batch`, batches of 8 prompts, greedy): response tokens per CPU-second of
    this process, engine against transformers.
-Like the CLI, it sets OMP_WAIT_POLICY=PASSIVE before torch loads (threads that spin between operators steal the
-core a BLAS call needs). Prints Markdown.
+Like the CLI, it chooses how torch's threads wait before torch loads (`flashdraft.files.choose_thread_waiting`);
+it prints the choice. Prints Markdown.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from flashdraft.files import WAITING_VARIABLES, choose_thread_waiting  # noqa: E402
+
+choose_thread_waiting()  # as the CLI does, before torch loads
 import torch  # noqa: E402
 
 import flashdraft  # noqa: E402
@@ -62,8 +64,9 @@ def main() -> None:
     samples = get_dataset(args.dataset).load(max(args.prompts, args.regenerate_prompts))
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": s.turns[0]}]) for s in samples]
     blas = "MKL" if torch.backends.mkl.is_available() else "other"
+    waiting = ", ".join(f"{name}={os.environ[name]}" for name in WAITING_VARIABLES if name in os.environ)
     print(f"{args.target}, float32, {args.threads} torch thread(s), torch BLAS {blas}, numpy "
-          f"{__import__('numpy').__version__}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; kernels chosen: "
+          f"{__import__('numpy').__version__}, {waiting}; kernels chosen: "
           + ", ".join(f"{kind} {target.engine.kernels.table.get(kind)}" for kind in ("qkv", "head"))
           + f"; weights read as {target.engine.packed_formats()}")
 

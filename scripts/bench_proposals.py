@@ -6,7 +6,8 @@ order), greedy, with the chat template and the target's stop tokens.
     python scripts/bench_proposals.py --near-best 0.97 0.93   # the hybrid's planner band, each value a method
 
 `flashdraft bench` compares against transformers' `generate`, which does not run on flashdraft's CPU engine; this
-isolates what the proposals add on top of it. Like the CLI, it sets OMP_WAIT_POLICY=PASSIVE before torch loads.
+isolates what the proposals add on top of it. Like the CLI, it chooses how torch's threads wait before torch
+loads (`choose_thread_waiting`).
 Prints one line per prompt (tokens/s of each, whether all outputs agree), the mean tokens/s and the pooled tau.
 `--near-best` runs the hybrid once per value of `flashdraft.proposals.NEAR_BEST` (a round takes the longest of the
 options within that fraction of the best expected tokens per second).
@@ -15,11 +16,12 @@ options within that fraction of the best expected tokens per second).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from flashdraft.files import choose_thread_waiting  # noqa: E402
+
+choose_thread_waiting()  # as the CLI does, before torch loads
 import flashdraft  # noqa: E402
 from flashdraft import proposals  # noqa: E402
 from flashdraft.evaluation.datasets import get_dataset  # noqa: E402

@@ -5,15 +5,16 @@
 The engine's products run in native code that `torch.profiler` does not see (`flashdraft/native.py`), so this
 times each product call directly (wrapping the engine's kernels) during forwards of n new tokens after 128 cached
 ones, as a verification runs, and reports the median forward, the products' share by weight, and the rest
-(attention, norms, rotary, copies, Python). Sets OMP_WAIT_POLICY=PASSIVE like the CLI. Prints Markdown.
+(attention, norms, rotary, copies, Python). Chooses how torch's threads wait like the CLI. Prints Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from flashdraft.files import choose_thread_waiting  # noqa: E402
+
+choose_thread_waiting()  # as the CLI does, before torch loads
 
 import collections  # noqa: E402
 import time  # noqa: E402

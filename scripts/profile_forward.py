@@ -13,11 +13,12 @@ forward (its modules are what the regions label); `scripts/bench_engine.py` time
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import defaultdict
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from flashdraft.files import choose_thread_waiting  # noqa: E402
+
+choose_thread_waiting()  # as the CLI does, before torch loads
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 

@@ -1,11 +1,14 @@
 """The options every model-loading command shares: one definition, one default, `auto` resolved the same way."""
 
 import argparse
+import os
 
 import pytest
 import torch
 
+from flashdraft import files
 from flashdraft.cli import build_parser
+from flashdraft.files import SPIN_COUNT, WAITING_VARIABLES
 from flashdraft.commands.options import device_and_dtype
 
 
@@ -33,8 +36,45 @@ def test_importing_the_library_leaves_the_environment_alone():
     import subprocess
     import sys
 
-    code = "import os, flashdraft; flashdraft.generate; print(os.environ.get('OMP_WAIT_POLICY'))"
-    environment = {key: value for key, value in __import__("os").environ.items() if key != "OMP_WAIT_POLICY"}
+    code = ("import os, flashdraft; flashdraft.generate; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    environment = {key: value for key, value in __import__("os").environ.items() if key not in WAITING_VARIABLES}
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment,
                              timeout=120)
-    assert process.stdout.strip() == "None", process.stderr
+    assert process.stdout.strip() == "None None", process.stderr
+
+
+@pytest.mark.parametrize(("other_cores", "chosen"), [(0.1, {"GOMP_SPINCOUNT": SPIN_COUNT}),
+                                                      (1.0, {"OMP_WAIT_POLICY": "PASSIVE"})])
+def test_threads_spin_on_a_quiet_machine_and_sleep_beside_other_work(monkeypatch, other_cores, chosen):
+    for name in WAITING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(files, "other_processes_cpu", lambda seconds: other_cores)
+    assert files.choose_thread_waiting() == chosen
+    assert {name: os.environ[name] for name in WAITING_VARIABLES if name in os.environ} == chosen
+
+
+def test_a_users_own_thread_waiting_is_kept(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setattr(files, "other_processes_cpu", lambda seconds: 2.0)
+    assert files.choose_thread_waiting() == {}
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_the_command_line_chooses_before_torch_loads():
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, sys
+        from flashdraft import cli
+        choose = cli.choose_thread_waiting
+        cli.choose_thread_waiting = lambda: print("torch loaded:", "torch" in sys.modules, "chose:", choose())
+        cli.main(["models", "list"])
+        """
+    environment = {key: value for key, value in os.environ.items() if key not in WAITING_VARIABLES}
+    process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment,
+                             timeout=120)
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.splitlines()[0].startswith("torch loaded: False chose: {'"), process.stdout

@@ -24,7 +24,7 @@ import torch
 import flashdraft
 import flashdraft.decoding as decoding
 import flashdraft.proposals as proposers
-from flashdraft.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from flashdraft.sampling import SamplingParams, accept_greedy, accept_sampled, greedy, probabilities, sample
 
 from tiny import tiny_draft, tiny_target
 
@@ -226,6 +226,16 @@ def test_accept_greedy_counts_the_matching_prefix():
     for proposals, accepted, bonus in (([3, 1, 4], 3, 2), ([3, 1, 0], 2, 4), ([0, 1, 4], 0, 3), ([3, 0, 4], 1, 1)):
         n, b = accept_greedy(torch.tensor(proposals), logits)
         assert (int(n), int(b)) == (accepted, bonus)
+
+
+def test_greedy_is_torchs_argmax_ties_and_nan_included():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (6, 50), generator=generator).float()  # many exact ties: the first one wins
+    logits[2, 7] = float("nan")  # a NaN counts as the largest, as in torch
+    for case in (logits, logits.T, logits[:, ::3], logits[0], torch.randn(3, 4, 9, generator=generator)):
+        picked = greedy(case)
+        assert picked.dtype == torch.long and torch.equal(picked, case.argmax(dim=-1))
+    assert torch.equal(greedy(logits.double()), logits.argmax(dim=-1))  # other dtypes: torch's own
 
 
 def test_accept_greedy_with_no_proposals_is_one_autoregressive_step():

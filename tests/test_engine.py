@@ -11,9 +11,11 @@ from threadpoolctl import threadpool_info
 from torch import nn
 
 from flashdraft.decoding import generate
+from flashdraft.draft import DraftCache, RowDraftCache
 from flashdraft.engine import (
     KERNEL_ROWS,
     PRODUCTS,
+    DraftEngine,
     Engine,
     EngineCache,
     KernelChoice,
@@ -24,6 +26,7 @@ from flashdraft.engine import (
     unsupported_reason,
 )
 from flashdraft.models import cache_home, load_target
+from flashdraft.proposals import DFlashProposer
 from flashdraft.target import TargetModel
 
 from tiny import ARCHITECTURES, tiny_draft, tiny_target, tiny_tokenizer
@@ -191,8 +194,110 @@ def test_drafts_run_on_the_engine_and_stay_exact():
     expected = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 7:].tolist()
     result = generate(model, draft, prompt, max_new_tokens=30, block_size=4)
     assert result.tokens == expected
-    assert isinstance(draft.layers[0].self_attn.q_proj, KernelLinear)
-    assert isinstance(draft.fc, KernelLinear)
+    assert isinstance(DFlashProposer(draft, TargetModel(model)).forward, DraftEngine)
+
+
+def shaken_draft(model, **kwargs):
+    """A tiny draft whose norms are not all ones, so that a norm applied to the wrong tensor shows."""
+    draft = tiny_draft(model, **kwargs)
+    with torch.no_grad():
+        for name, parameter in draft.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    return draft
+
+
+def draft_inputs(draft, width: int, block: int, start: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    d = draft.config.hidden_size
+    noise = torch.randn(1, block, d, generator=generator)
+    features = torch.randn(1, width, len(draft.target_layer_ids) * d, generator=generator)
+    return noise, features, torch.arange(start - width, start + block)[None]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kernel", list(available_products()))
+def test_the_draft_pass_on_the_engine_equals_the_modules(arch, kernel):
+    model = tiny_target(arch)
+    target = TargetModel(model, engine="flashdraft")
+    target.engine.kernels = uniform(kernel)
+    draft = shaken_draft(model, block_size=4)
+    fast = DraftEngine.for_draft(draft, target.engine)
+    ours, theirs = DraftCache(draft.config, 64), DraftCache(draft.config, 64)
+    start = 0
+    for width, seed in ((9, 1), (1, 2), (3, 3)):  # a prompt's context, then rounds of 1 and 3 accepted positions
+        noise, features, positions = draft_inputs(draft, width, 4, start + width, seed)
+        with torch.no_grad():
+            expected = draft(noise, features, positions, theirs)
+        torch.testing.assert_close(fast(noise, features, positions, ours), expected, rtol=1e-5, atol=1e-5)
+        ours.crop(-4)
+        theirs.crop(-4)
+        start += width
+    torch.testing.assert_close(ours.keys[1][:, :, :start], theirs.keys[1][:, :, :start], rtol=1e-5, atol=1e-5)
+
+
+def test_the_draft_pass_on_the_engine_drafts_rows_of_different_lengths():
+    model = tiny_target("qwen3")
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=4)
+    fast = DraftEngine.for_draft(draft, target.engine)
+    caches = {"engine": RowDraftCache(draft.config), "module": RowDraftCache(draft.config)}
+    outputs = {}
+    for name, forward in (("engine", fast), ("module", draft)):
+        cache = caches[name]
+        cache.add_row(), cache.add_row()
+        for widths, seed in (([6, 2], 1), ([1, 3], 2)):
+            generator = torch.Generator().manual_seed(seed)
+            d, width = draft.config.hidden_size, max(widths)
+            noise = torch.randn(2, 4, d, generator=generator)
+            features = torch.randn(2, width, len(draft.target_layer_ids) * d, generator=generator)
+            starts = [cache.lengths[r] + widths[r] for r in range(2)]
+            # as DFlashProposer.logits_rows places them: the padding's positions run on past the row's context
+            positions = torch.stack([torch.cat([torch.arange(s - w, s - w + width), torch.arange(s, s + 4)])
+                                     for s, w in zip(starts, widths)])
+            mask = cache.begin_pass([0, 1], widths, 4)
+            with torch.no_grad():
+                outputs.setdefault(name, []).append(forward(noise, features, positions, cache, attention_mask=mask))
+            cache.end_pass([0, 1], widths)
+    for ours, theirs in zip(outputs["engine"], outputs["module"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_draft_pass_on_the_engine_follows_training():
+    model = tiny_target("qwen3")
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=4)
+    parameters = list(draft.parameters())
+    fast = DraftEngine.for_draft(draft, target.engine)
+    noise, features, positions = draft_inputs(draft, 5, 4, 5, seed=1)
+    fast(noise, features, positions)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=0.1)
+    draft.train()
+    draft(noise, features, positions).square().sum().backward()
+    optimizer.step()  # in place, on the draft's own parameters: the engine's copies are stale now
+    draft.eval()
+    assert [p for p in draft.parameters()] == parameters  # the optimizer's parameters are still the draft's
+    with torch.no_grad():
+        torch.testing.assert_close(fast(noise, features, positions), draft(noise, features, positions),
+                                   rtol=1e-5, atol=1e-5)
+        draft.load_state_dict({name: value * 0.5 for name, value in draft.state_dict().items()})
+        torch.testing.assert_close(fast(noise, features, positions), draft(noise, features, positions),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_drafts_the_engine_cannot_run_keep_the_module_on_the_engines_kernels():
+    model = tiny_target("qwen3")
+    target = TargetModel(model, engine="flashdraft")
+    sliding = tiny_draft(model)
+    sliding.config.sliding_window = 6
+    sliding.config.layer_types = ["sliding_attention", "full_attention"]
+    biased = tiny_draft(model)
+    biased.config.attention_bias = True
+    for draft in (sliding, biased, tiny_draft(model).to(torch.bfloat16)):
+        assert DraftEngine.for_draft(draft, target.engine) is None
+    assert DraftEngine.for_draft(tiny_draft(model), None) is None
+    forward = target.draft_forward(sliding)
+    assert forward is sliding and isinstance(sliding.fc, KernelLinear)
 
 
 def test_kernels_are_measured_once_and_cover_every_shape(monkeypatch):
