@@ -565,6 +565,11 @@ class DraftEngine:
         self.rotary = RotaryTables(draft.rotary_emb, self.head_dim)
         self.parameters = list(draft.parameters())
         self._made_from = None
+        # bfloat16 arithmetic for the products of bfloat16 weights, where the CPU has it: a draft's proposals
+        # never change the output, and its 8-row products are bound by arithmetic (BENCHMARKS.md, "The draft pass
+        # in bfloat16 arithmetic"). FLASHDRAFT_DRAFT_BF16=0: float32 arithmetic, the module's results.
+        self.bf16_dot = native.bf16_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_BF16", "1") != "0"
+        self._head: tuple | None = None  # (made from, packed bfloat16 head) for `logits`
 
     @classmethod
     def for_draft(cls, draft: nn.Module, engine: Engine | None) -> DraftEngine | None:
@@ -590,10 +595,32 @@ class DraftEngine:
         self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
         weights = [self.fc] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.forms = {id(w): WeightForms.of(w) for w in weights}
+        # A draft whose weights are all bfloat16 values (as shipped) also reads its head in bfloat16 arithmetic; one
+        # in training (float32 weights) stays in float32 throughout.
+        self.bfloat16_weights = all(getattr(f.packed, "format", None) == "bf16" for f in self.forms.values())
         self._made_from = [(p.data_ptr(), p._version) for p in self.parameters]  # after `_aligned`'s moves
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.engine.kernels.product(kind, x.shape[0])(x, weight, self.forms[id(weight)])
+        forms, product = self.forms[id(weight)], self.engine.kernels.product(kind, x.shape[0])
+        packed = forms.packed
+        if self.bf16_dot and packed is not None and packed.format == "bf16" and not weight.shape[1] % native.BLOCK:
+            return native.bf16_dot_gemm(x, packed, parallel=product is _native_parallel)
+        return product(x, weight, forms)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+        """`head(hidden)` for the draft's final hidden states [rows, d] (after a pass, so `_weights` is current);
+        for a bfloat16 draft with bfloat16 arithmetic, through a copy of the head's weight rounded to bfloat16 (made
+        again when the weight changes)."""
+        weight = head.weight
+        if (not (self.bf16_dot and self.bfloat16_weights) or head.bias is not None or weight.dtype != torch.float32
+                or weight.shape[1] % native.BLOCK):
+            return head(hidden.to(weight.dtype))
+        made_from = (weight.data_ptr(), weight._version)
+        if self._head is None or self._head[0] != made_from:
+            self._head = made_from, native.pack(weight.detach().bfloat16().float())
+        parallel = self.engine.kernels.product("head", hidden.shape[0]) is _native_parallel
+        return native.bf16_dot_gemm(hidden, self._head[1], parallel)
 
     @torch.no_grad()
     def __call__(

@@ -89,6 +89,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     for function in (loaded.packed_gemm, loaded.packed_gemm_parallel):
         function.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
         function.restype = None
+    for function in (loaded.bf16_dot_gemm, loaded.bf16_dot_gemm_parallel):
+        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+        function.restype = None
+    loaded.bf16_dot_available.restype = ctypes.c_int
     return loaded, None, identity
 
 
@@ -262,4 +266,31 @@ def packed_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False) -
     minimum = weight.minimum.data_ptr() if weight.minimum is not None else None
     function(FORMATS[weight.format], x.data_ptr(), weight.data.data_ptr(), scale, minimum, out.data_ptr(),
              x.shape[0], weight.shape[0], x.shape[1])
+    return out
+
+
+def bf16_dot_available() -> bool:
+    """Whether the kernel was built with bfloat16 dot products (a CPU with AVX512_BF16, e.g. AMD Zen 4, Intel
+    Cooper Lake and Sapphire Rapids), for `bf16_dot_gemm`."""
+    library = _build()[0]
+    return library is not None and bool(library.bf16_dot_available())
+
+
+def bf16_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False) -> torch.Tensor:
+    """`x @ W.T` in bfloat16 arithmetic for a bfloat16-packed W: x rounded to bfloat16 (to nearest), each pair of
+    products summed into float32. Not the float32 product (x loses its low bits): for a draft's proposals, never
+    for the target's logits. K must be a multiple of 32 (`BLOCK`)."""
+    if not bf16_dot_available():
+        raise RuntimeError("bfloat16 dot products are unavailable here: the native kernel was not built for a CPU "
+                           f"with AVX512_BF16 ({unavailable_reason() or 'this CPU lacks it'})")
+    if weight.format != "bf16" or weight.shape[1] % BLOCK:
+        raise ValueError(f"bf16_dot_gemm takes a bf16-packed weight with K a multiple of {BLOCK}, not "
+                         f"{weight.format} {weight.shape}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"bf16_dot_gemm multiplies float32 [M, {weight.shape[1]}] on CPU by the packed weight, "
+                         f"not {x.dtype} {tuple(x.shape)} on {x.device}")
+    rounded = x.to(torch.bfloat16).contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0])
+    function = _build()[0].bf16_dot_gemm_parallel if parallel else _build()[0].bf16_dot_gemm
+    function(rounded.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
     return out

@@ -35,6 +35,7 @@ import torch
 
 from .adaptive import VerifyCosts
 from .draft import DFlashDraftModel, DraftCache, RowDraftCache
+from .engine import DraftEngine
 from .lookup import ContextIndex
 from .sampling import SamplingParams, greedy, probabilities, sample
 from .target import TargetModel
@@ -116,6 +117,7 @@ class DFlashProposer:
         self.head = target.head_rows(self.vocab_ids)
         # The draft's pass on the target's engine where it runs there, else the module with the engine's kernels.
         self.forward = target.draft_forward(draft)
+        self.on_engine = isinstance(self.forward, DraftEngine)
         self.dtype = draft.dtype  # a draft may run in another precision than its target
         self.proposed = False  # whether a round's proposals await `observe`
 
@@ -140,8 +142,7 @@ class DFlashProposer:
             self.positions[:, first_position : start + block_size], self.cache,
         )
         self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
-        rows = hidden[:, 1 : size or block_size]  # the anchor's output is dropped
-        return self.head(rows.to(self.head.weight.dtype))[0]
+        return self._logits(hidden[0, 1 : size or block_size])  # the anchor's output is dropped
 
     @torch.no_grad()
     def propose(self, anchor, context, start, block_size, size=None, params=GREEDY, generator=None):
@@ -182,7 +183,13 @@ class DFlashProposer:
         hidden = self.forward(self.target.embed(block).to(dtype), context, positions, cache, attention_mask=mask)
         cache.end_pass(rows, widths)
         used = torch.cat([hidden[i, 1:size] for i, size in enumerate(sizes)])  # the anchor's output is dropped
-        return list(self.head(used.to(self.head.weight.dtype)).split([size - 1 for size in sizes]))
+        return list(self._logits(used).split([size - 1 for size in sizes]))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, d] final hidden states -> [rows, V_draft] logits through the target's head (its drafting rows)."""
+        if self.on_engine:
+            return self.forward.logits(hidden, self.head)
+        return self.head(hidden.to(self.head.weight.dtype))
 
 
 def check_compatible(draft: DFlashDraftModel, target: TargetModel) -> None:

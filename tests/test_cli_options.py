@@ -8,8 +8,8 @@ import torch
 
 from flashdraft import files
 from flashdraft.cli import build_parser
-from flashdraft.files import SPIN_COUNT, WAITING_VARIABLES
 from flashdraft.commands.options import device_and_dtype
+from flashdraft.files import SPIN_COUNT, WAITING_VARIABLES
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])

@@ -10,6 +10,7 @@ import torch
 from threadpoolctl import threadpool_info
 from torch import nn
 
+from flashdraft import native
 from flashdraft.decoding import generate
 from flashdraft.draft import DraftCache, RowDraftCache
 from flashdraft.engine import (
@@ -283,6 +284,38 @@ def test_the_draft_pass_on_the_engine_follows_training():
         draft.load_state_dict({name: value * 0.5 for name, value in draft.state_dict().items()})
         torch.testing.assert_close(fast(noise, features, positions), draft(noise, features, positions),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["default", "off"])
+def test_a_bfloat16_draft_computes_in_bfloat16_where_the_cpu_can(monkeypatch, setting):
+    if setting == "off":
+        monkeypatch.setenv("FLASHDRAFT_DRAFT_BF16", "0")
+    model = tiny_target("qwen3")  # hidden 32, intermediate 64: every K a multiple of 32
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()  # as a shipped draft loads
+    fast = DraftEngine.for_draft(draft, target.engine)
+    assert fast.bf16_dot == (native.bf16_dot_available() and setting == "default")
+    head = target.head_rows(torch.arange(0, 96, 2))
+    noise, features, positions = draft_inputs(draft, 6, 4, 6, seed=3)
+    with torch.no_grad():
+        expected = draft(noise, features, positions)
+        expected_logits = head(expected[0])
+    ours = fast(noise, features, positions)
+    logits = fast.logits(ours[0], head)
+    if fast.bf16_dot:  # inputs rounded to bfloat16: close, not equal
+        assert 0 < (ours - expected).abs().max() <= 2e-2 * expected.abs().max()
+        assert 0 < (logits - expected_logits).abs().max() <= 2e-2 * expected_logits.abs().max()
+    else:
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_speculative_decoding_with_a_bfloat16_draft_pass_stays_exact():
+    model = tiny_target("qwen3")
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()
+    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(11))
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, 9:].tolist()
+    assert generate(model, draft, prompt, max_new_tokens=40, block_size=4, proposals="dflash").tokens == expected
 
 
 def test_drafts_the_engine_cannot_run_keep_the_module_on_the_engines_kernels():

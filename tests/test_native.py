@@ -248,3 +248,46 @@ def test_a_kernel_linear_never_reads_a_stale_packed_copy():
         linear.weight.mul_(1.0001)  # changed in place: no longer bfloat16 values
         assert torch.equal(layer(x), native.small_gemm(x, linear.weight.detach()))
         assert layer._forms.packed is None
+
+
+def cpu_has_bf16_dot() -> bool:
+    try:
+        return "avx512_bf16" in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
+def test_bfloat16_dot_products_are_offered_exactly_where_the_cpu_has_them():
+    assert native.bf16_dot_available() == (native.available() and cpu_has_bf16_dot())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16])
+@pytest.mark.parametrize("outputs, inputs", [(64, 576), (13, 64), (5, 2880)])
+def test_bfloat16_dot_products_are_the_products_of_the_rounded_inputs(rows, outputs, inputs):
+    generator = torch.Generator().manual_seed(rows * 100 + outputs)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight = torch.randn(outputs, inputs, generator=generator).bfloat16().float()
+    packed = native.pack(weight)
+    if not native.bf16_dot_available():
+        with pytest.raises(RuntimeError, match="bfloat16 dot products are unavailable"):
+            native.bf16_dot_gemm(x, packed)
+        return
+    exact = x.bfloat16().double() @ weight.double().T  # what the instruction computes, up to float32 sums
+    for parallel in (False, True):
+        out = native.bf16_dot_gemm(x, packed, parallel)
+        assert out.dtype == torch.float32 and out.shape == (rows, outputs)
+        assert (out.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    assert torch.equal(native.bf16_dot_gemm(x, packed, False), native.bf16_dot_gemm(x, packed, True))
+    # not the float32 product: the inputs lost their low bits
+    assert (native.bf16_dot_gemm(x, packed) - x @ weight.T).abs().max() > 1e-4
+
+
+@pytest.mark.skipif(not native.bf16_dot_available(), reason="needs AVX512_BF16 (the test above checks the refusal)")
+def test_bfloat16_dot_products_refuse_what_they_cannot_compute():
+    weight = torch.randn(8, 64).bfloat16().float()
+    narrow = native.pack(torch.randn(8, 48).bfloat16().float())  # bfloat16, but K not a multiple of 32
+    assert narrow.format == "bf16"
+    with pytest.raises(ValueError, match="bf16-packed weight with K a multiple of 32"):
+        native.bf16_dot_gemm(torch.randn(2, 48), narrow)
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        native.bf16_dot_gemm(torch.randn(2, 63), native.pack(weight))
