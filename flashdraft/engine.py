@@ -18,6 +18,10 @@ So the engine
   products are the float32 ones, bit for bit (`FLASHDRAFT_PACKED=0` turns it off).
 Every path is exact up to float32 rounding: logits match transformers' within float32 tolerance and greedy outputs
 are the same (tests/test_engine.py).
+
+A DFlash draft's pass runs here too (`DraftEngine`), in the same form on the same kernels; a bfloat16 draft's
+products in bfloat16 arithmetic where the CPU has it (proposals never change the output, only how much of it a
+round accepts).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ KERNEL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # rows (tokens x sequences) me
 # numpy's BLAS threads busy-wait between calls and stall badly when another process holds a core (seen here: a
 # forward 20x slower); one thread, inside the engine only, never oversubscribes.
 _ONE_BLAS_THREAD = ThreadpoolController().select(internal_api="openblas")
-THREADING_VARIABLES = (*WAITING_VARIABLES, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_BLOCKTIME")
+THREADING_VARIABLES = (*WAITING_VARIABLES, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 @dataclass(frozen=True)

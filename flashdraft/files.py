@@ -47,25 +47,25 @@ def other_processes_cpu(seconds: float = 0.2) -> float:
     return max(busy - own, 0) / os.sysconf("SC_CLK_TCK") / seconds
 
 
-# How long torch's OpenMP threads spin before they sleep when `choose_thread_waiting` lets them (libgomp's count of
-# pause loops: about half a millisecond here, longer than the gaps between a step's products, far shorter than a pause
-# between requests).
+# How long torch's OpenMP threads spin before they sleep when `choose_thread_waiting` lets them: longer than the gaps
+# between a step's products, far shorter than a pause between requests. GNU libgomp (torch's Linux wheels) counts
+# pause loops (20,000: about half a millisecond here); LLVM's and Intel's runtimes take milliseconds.
 SPIN_COUNT = "20000"
-WAITING_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+SPINNING = {"GOMP_SPINCOUNT": SPIN_COUNT, "KMP_BLOCKTIME": "1"}
+WAITING_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def choose_thread_waiting(seconds: float = 0.1) -> dict[str, str]:
     """Decide how torch's OpenMP threads wait between parallel regions, for a process about to load torch (libgomp
     reads it once, when it loads), and set it in `os.environ`; a choice already made there is kept. Where no other
-    process at normal priority computes, they spin a while (GOMP_SPINCOUNT): a sleeping thread takes ~50 us to wake
+    process at normal priority computes, they spin a while (`SPINNING`): a sleeping thread takes ~50 us to wake
     on this VM and a one-token step has ~120 parallel products, so spinning makes the step 1.6x faster here. Where
     one does, they sleep at once (OMP_WAIT_POLICY=PASSIVE): a thread that spins while the core it waits for runs
     someone else's work stalls the whole step (1.3x slower with one busy process beside it, 15x with libgomp's
     default spin). BENCHMARKS.md, "How threads wait". Returns the variables it set (none when the choice was made)."""
     if any(name in os.environ for name in WAITING_VARIABLES):
         return {}
-    chosen = {"OMP_WAIT_POLICY": "PASSIVE"} if other_processes_cpu(seconds) >= BUSY_CORES else {
-        "GOMP_SPINCOUNT": SPIN_COUNT}
+    chosen = {"OMP_WAIT_POLICY": "PASSIVE"} if other_processes_cpu(seconds) >= BUSY_CORES else dict(SPINNING)
     os.environ.update(chosen)
     return chosen
 
