@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from functools import partial
 
 import torch
 
-from .engine import interleaved_seconds
+from .engine import THREADING_VARIABLES, interleaved_seconds
 from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement
 from .sampling import SamplingParams
 from .target import TargetModel, synchronize
@@ -142,6 +143,8 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "engine": target.engine_name,
             # The engine's kernel choice decides its costs: a new kernel (or a new measurement) prices anew.
             "kernels": target.engine.kernels.table if target.engine is not None else None,
+            # How threads wait changes every cost (a one-token step 2x here), and the draft's arithmetic its pass.
+            "environment": {name: os.environ.get(name) for name in (*THREADING_VARIABLES, "FLASHDRAFT_DRAFT_BF16")},
             "dtype": str(target.dtype),
             "device": str(target.device),
             "threads": torch.get_num_threads(),

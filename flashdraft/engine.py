@@ -267,6 +267,7 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * I, d]: gate and up projections fused
     down: torch.Tensor
+    qk_norm: torch.Tensor | None = None  # [H + K, hd]: each head's q or k norm weight (the draft's, one operator)
 
 
 def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch.Tensor]) -> _Layer:
@@ -316,6 +317,8 @@ class KernelChoice:
 
     def __init__(self, table: dict[str, dict[int, str]]):
         self.table = table
+        # numpy's BLAS runs on one thread inside the engine; limiting it costs ~13 us a call, paid only where used.
+        self.uses_numpy = any(name.startswith("numpy") for by_rows in table.values() for name in by_rows.values())
         # Row counts between measured ones take the choice of the next measured count up.
         self.lookup = {
             kind: [PRODUCTS[by_rows[min((r for r in by_rows if r >= m), default=max(by_rows))]] if by_rows
@@ -458,6 +461,8 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The n new tokens after the `cache.length` cached ones. Returns logits [b, n or logits_to_keep, V] and,
         with `layer_ids`, the concatenated outputs of those layers [b, n, k*d]."""
+        if not self.kernels.uses_numpy:
+            return self._forward(input_ids, position_ids, cache, layer_ids, logits_to_keep, padding)
         with _ONE_BLAS_THREAD.limit(limits=1):
             return self._forward(input_ids, position_ids, cache, layer_ids, logits_to_keep, padding)
 
@@ -595,6 +600,8 @@ class DraftEngine:
             return
         draft = self.draft
         self.layers = [_layer_weights(layer, _concatenated) for layer in draft.layers]
+        for layer in self.layers:  # each head's norm weight in one table [H + K, hd]: both norms one operator
+            layer.qk_norm = torch.cat([layer.q_norm.expand(self.num_heads, -1), layer.k_norm.expand(self.kv_heads, -1)])
         self.fc = _aligned(draft.fc.weight)
         self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
         weights = [self.fc] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -636,6 +643,8 @@ class DraftEngine:
         attention_mask: torch.Tensor | None = None,  # bool [b, 1, q, end], True = visible
     ) -> torch.Tensor:
         """`DFlashDraftModel.forward`: the block's final hidden states [b, q, d]."""
+        if not self.engine.kernels.uses_numpy:
+            return self._forward(noise_embedding, target_hidden, position_ids, cache, attention_mask)
         with _ONE_BLAS_THREAD.limit(limits=1):
             return self._forward(noise_embedding, target_hidden, position_ids, cache, attention_mask)
 
@@ -654,8 +663,7 @@ class DraftEngine:
             normed = F.rms_norm(h, (d,), layer.input_norm, eps).view(batch, q_len, d)
             window = torch.cat([context, normed], dim=1).view(batch * n, d)
             qkv = self._product("qkv", window, layer.qkv).view(batch, n, heads + 2 * kv_heads, head_dim)
-            qk = torch.cat([F.rms_norm(qkv[:, :, :heads], (head_dim,), layer.q_norm, eps),
-                            F.rms_norm(qkv[:, :, heads : heads + kv_heads], (head_dim,), layer.k_norm, eps)], dim=2)
+            qk = F.rms_norm(qkv[:, :, : heads + kv_heads], (head_dim,), None, eps) * layer.qk_norm  # q and k norms
             qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
             queries = qk[:, width:, :heads].transpose(1, 2)  # the block's queries only: [b, H, q, hd]
             keys, values = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
