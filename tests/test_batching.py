@@ -269,8 +269,8 @@ def test_a_batch_plans_with_the_costs_measured_at_its_size(monkeypatch):
         return original(batch_size)
 
     monkeypatch.setattr(batch.costs, "at", at)
-    for prompt in ([5, 6, 7], [8, 9], [10], [11, 12]):
-        batch.add(prompt, max_new_tokens=6)
+    for prompt in ([5, 6, 7], [8, 9], [10], [11, 12]):  # too long to finish before the last joins, whatever sizes
+        batch.add(prompt, max_new_tokens=64)         # the measured costs choose (at most 16 tokens a round)
     while batch.waiting:  # half of the queue joins at each step
         batch.step()
     assert seen == [2, 3, 4] and all(row.proposer.costs == original(4) for row in batch.rows)
