@@ -293,6 +293,15 @@ def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch
     )
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: on the native kernel where there is one (a few microseconds a call against
+    torch's 10-30: a one-token step of the default target has 61 of them), else torch's; the same within float32
+    rounding."""
+    if native.available():
+        return native.rms_norm(x, weight, eps)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
 class RotaryTables:
     """A rotary embedding's cos and signed sin [positions, head_dim], for positions 0..length-1 at least (grown by
     doubling; rope types whose tables depend on the position alone, `STATIC_ROPE_TYPES`). The sin table's first half
@@ -485,7 +494,7 @@ class Engine:
         collected = []
         h = F.embedding(input_ids, self.embed).view(rows, -1)
         for index, layer in enumerate(self.layers):
-            qkv = self._product("qkv", F.rms_norm(h, h.shape[-1:], layer.input_norm, eps), layer.qkv)
+            qkv = self._product("qkv", rms_norm(h, layer.input_norm, eps), layer.qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qkv = qkv.reshape(rows, heads + 2 * kv_heads, head_dim)
@@ -506,7 +515,7 @@ class Engine:
                 values[:, :, start:end] = qkv[:, heads + kv_heads :].view(batch, n, kv_heads, head_dim).transpose(1, 2)
             attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], visible, batch, n)
             h = h + self._product("o", attended, layer.o)
-            gate, up = self._product("gate_up", F.rms_norm(h, h.shape[-1:], layer.post_norm, eps),
+            gate, up = self._product("gate_up", rms_norm(h, layer.post_norm, eps),
                                      layer.gate_up).chunk(2, dim=-1)
             h = h + self._product("down", F.silu(gate) * up, layer.down)
             if index in wanted:
@@ -516,13 +525,13 @@ class Engine:
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         kept = h.shape[1]
-        hidden = F.rms_norm(h, h.shape[-1:], self.norm, eps).reshape(batch * kept, -1)
+        hidden = rms_norm(h, self.norm, eps).reshape(batch * kept, -1)
         features = None
         if layer_ids:
             by_layer = dict(zip(sorted(wanted), collected))
             last = len(self.layers) - 1
             if last in by_layer:  # transformers reports the last layer's output after the final norm
-                by_layer[last] = F.rms_norm(by_layer[last], h.shape[-1:], self.norm, eps)
+                by_layer[last] = rms_norm(by_layer[last], self.norm, eps)
             features = torch.cat([by_layer[i] for i in layer_ids], dim=-1).view(batch, n, -1)
         logits = self._product("head", hidden, self.head_weight).reshape(batch, kept, -1)
         return logits, features
@@ -655,12 +664,12 @@ class DraftEngine:
         width = target_hidden.shape[1]
         n = width + q_len
         context = self._product("down", target_hidden.reshape(batch * width, -1), self.fc)
-        context = F.rms_norm(context, (d,), self.hidden_norm, eps).view(batch, width, d)
+        context = rms_norm(context, self.hidden_norm, eps).view(batch, width, d)
         cos, sin = self.rotary(int(position_ids.max()) + 1)
         cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [b, n, 1, hd]
         h = noise_embedding.reshape(batch * q_len, d)
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(h, (d,), layer.input_norm, eps).view(batch, q_len, d)
+            normed = rms_norm(h, layer.input_norm, eps).view(batch, q_len, d)
             window = torch.cat([context, normed], dim=1).view(batch * n, d)
             qkv = self._product("qkv", window, layer.qkv).view(batch, n, heads + 2 * kv_heads, head_dim)
             qk = F.rms_norm(qkv[:, :, : heads + kv_heads], (head_dim,), None, eps) * layer.qk_norm  # q and k norms
@@ -672,9 +681,9 @@ class DraftEngine:
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask,
                                                       enable_gqa=heads != kv_heads)  # [b, H, q, hd]
             h = h + self._product("o", attended.transpose(1, 2).reshape(batch * q_len, -1), layer.o)
-            gate, up = self._product("gate_up", F.rms_norm(h, (d,), layer.post_norm, eps), layer.gate_up).chunk(2, -1)
+            gate, up = self._product("gate_up", rms_norm(h, layer.post_norm, eps), layer.gate_up).chunk(2, -1)
             h = h + self._product("down", F.silu(gate) * up, layer.down)
-        return F.rms_norm(h, (d,), self.norm, eps).view(batch, q_len, d)
+        return rms_norm(h, self.norm, eps).view(batch, q_len, d)
 
 
 def _concatenated(linears: Sequence[nn.Linear]) -> torch.Tensor:

@@ -291,3 +291,28 @@ def test_bfloat16_dot_products_refuse_what_they_cannot_compute():
         native.bf16_dot_gemm(torch.randn(2, 48), narrow)
     with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
         native.bf16_dot_gemm(torch.randn(2, 63), native.pack(weight))
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (9, 576), (3, 5, 64), (2, 7), (4, 33)])
+def test_the_native_rms_norm_is_torchs_within_float32_rounding(shape):
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=generator) * 3
+    weight = torch.randn(shape[-1], generator=generator)
+    if not native.available():
+        with pytest.raises(RuntimeError, match="native kernel is unavailable"):
+            native.rms_norm(x, weight, 1e-5)
+        return
+    out = native.rms_norm(x, weight, 1e-5)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.rms_norm(x, shape[-1:], weight, 1e-5), rtol=2e-6, atol=2e-6)
+    strided = torch.randn(shape[:-1] + (2 * shape[-1],), generator=generator)[..., ::2]  # read in logical order
+    torch.testing.assert_close(native.rms_norm(strided, weight, 1e-5), F.rms_norm(strided, shape[-1:], weight, 1e-5),
+                               rtol=2e-6, atol=2e-6)
+
+
+@requires_native
+def test_the_native_rms_norm_refuses_mismatched_inputs():
+    with pytest.raises(ValueError, match="float32 CPU x"):
+        native.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(ValueError, match="float32 CPU x"):
+        native.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-5)
