@@ -125,6 +125,11 @@ def _aligned(parameter: nn.Parameter) -> torch.Tensor:
     return parameter.detach()
 
 
+def _rope_type(config) -> str:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope.get("rope_type", "default")
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the engine cannot run `model` exactly (then transformers' forward runs), or None when it can."""
     config = model.config.get_text_config()
@@ -143,9 +148,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])
     ):
         return "sliding-window attention"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
-        return f"rope type {rope.get('rope_type')!r}"
+    if _rope_type(config) not in STATIC_ROPE_TYPES:
+        return f"rope type {_rope_type(config)!r}"
     if any(_foreign_hooks(module) for module in model.modules()):
         return "forward hooks on its modules (they would not run)"
     return None
@@ -567,7 +571,8 @@ class Engine:
 
 class DraftEngine:
     """A DFlash draft's inference pass (`DFlashDraftModel.forward` without gradients) on a target engine's kernels:
-    the module's arithmetic in the target engine's form (BENCHMARKS.md, "The draft pass on the engine"): q/k/v
+    the module's arithmetic in the target engine's form (BENCHMARKS.md, "How threads wait, and the draft pass on
+    the engine"): q/k/v
     computed for the whole window [context ; block] in one product (the queries of the context rows come for free
     with a kernel that reads each weight once, and are dropped), gate/up in one, every norm one operator, rotary
     from a table, attention through torch's fused kernel. The fused weights are copies, made again whenever the
@@ -584,8 +589,8 @@ class DraftEngine:
         self.parameters = list(draft.parameters())
         self._made_from = None
         # bfloat16 arithmetic for the products of bfloat16 weights, where the CPU has it: a draft's proposals
-        # never change the output, and its 8-row products are bound by arithmetic (BENCHMARKS.md, "The draft pass
-        # in bfloat16 arithmetic"). FLASHDRAFT_DRAFT_BF16=0: float32 arithmetic, the module's results.
+        # never change the output, and its 8-row products are bound by arithmetic (BENCHMARKS.md, "How threads
+        # wait, and the draft pass on the engine"). FLASHDRAFT_DRAFT_BF16=0: float32 arithmetic, the module's results.
         self.bf16_dot = native.bf16_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_BF16", "1") != "0"
         self._head: tuple | None = None  # (made from, packed bfloat16 head) for `logits`
 
@@ -594,9 +599,8 @@ class DraftEngine:
         """The draft's pass on `engine`, or None where only the module runs it: no engine, a draft off CPU
         float32, with sliding-window layers, attention biases or a rope whose tables move with the sequence."""
         config = draft.config
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         if (engine is None or draft.dtype != torch.float32 or draft.device.type != "cpu" or config.attention_bias
-                or config.hidden_act != "silu" or rope.get("rope_type", "default") not in STATIC_ROPE_TYPES
+                or config.hidden_act != "silu" or _rope_type(config) not in STATIC_ROPE_TYPES
                 or "sliding_attention" in config.layer_types):
             return None
         return cls(draft, engine)
@@ -638,7 +642,7 @@ class DraftEngine:
             return head(hidden.to(weight.dtype))
         made_from = (weight.data_ptr(), weight._version)
         if self._head is None or self._head[0] != made_from:
-            self._head = made_from, native.pack(weight.detach().bfloat16().float())
+            self._head = made_from, native.pack_bfloat16(weight.detach())
         parallel = self.engine.kernels.product("head", hidden.shape[0]) is _native_parallel
         return native.bf16_dot_gemm(hidden, self._head[1], parallel)
 

@@ -224,11 +224,15 @@ def _pack_q8_0(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight("q8_0", (n, k), q.to(torch.int8).reshape(n, k), scale.contiguous())
 
 
+def pack_bfloat16(weight: torch.Tensor) -> PackedWeight:
+    """`weight` (float32 [N, K]) rounded to bfloat16 (to nearest) and packed so: exact only for a bfloat16 weight
+    (`pack` checks that), an approximation for `bf16_dot_gemm` otherwise."""
+    return PackedWeight("bf16", tuple(weight.shape), weight.bfloat16().view(torch.int16).contiguous())
+
+
 def _pack_bf16(weight: torch.Tensor) -> PackedWeight | None:
-    packed = weight.bfloat16()
-    if not torch.equal(packed.float(), weight):
-        return None
-    return PackedWeight("bf16", tuple(weight.shape), packed.view(torch.int16).contiguous())
+    packed = pack_bfloat16(weight)
+    return packed if torch.equal(packed.unpack(), weight) else None
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:
@@ -293,7 +297,8 @@ def bf16_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
                          f"not {x.dtype} {tuple(x.shape)} on {x.device}")
     rounded = x.to(torch.bfloat16).contiguous()
     out = torch.empty(x.shape[0], weight.shape[0])
-    function = _build()[0].bf16_dot_gemm_parallel if parallel else _build()[0].bf16_dot_gemm
+    library = _build()[0]
+    function = library.bf16_dot_gemm_parallel if parallel else library.bf16_dot_gemm
     function(rounded.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
     return out
 

@@ -263,15 +263,19 @@ void packed_gemm(int format, const float *x, const void *data, const float *scal
     packed_remainder(format, x, data, scale, minimum, y, M, N, K);
 }
 
+/* One contiguous run of weight tiles per thread, so that each prefetches its own next tile. */
+static long thread_chunks(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
 void packed_gemm_parallel(int format, const float *x, const void *data, const float *scale, const float *minimum,
                           float *y, long M, long N, long K) {
     const long tiles = N / TILE_ROWS;
-#ifdef _OPENMP
-    const long chunks = omp_get_max_threads();
-#else
-    const long chunks = 1;
-#endif
-    /* one contiguous run of tiles per thread, so that each prefetches its own next tile */
+    const long chunks = thread_chunks();
 #pragma omp parallel for schedule(static)
     for (long c = 0; c < chunks; c++)
         packed_tiles(format, x, data, scale, minimum, y, M, N, K, c * tiles / chunks, (c + 1) * tiles / chunks);
@@ -335,11 +339,7 @@ void bf16_dot_gemm(const unsigned short *x, const unsigned short *w, float *y, l
 
 void bf16_dot_gemm_parallel(const unsigned short *x, const unsigned short *w, float *y, long M, long N, long K) {
     const long tiles = N / TILE_ROWS;
-#ifdef _OPENMP
-    const long chunks = omp_get_max_threads();
-#else
-    const long chunks = 1;
-#endif
+    const long chunks = thread_chunks();
 #pragma omp parallel for schedule(static)
     for (long c = 0; c < chunks; c++) dot_tiles(x, w, y, M, N, K, c * tiles / chunks, (c + 1) * tiles / chunks);
     for (long n = tiles * TILE_ROWS; n < N; n++) dot_rows_1(x, w, n, y, M, N, K);
