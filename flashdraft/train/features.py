@@ -13,7 +13,8 @@ An offline store is a folder:
     progress.json   how many of the planned batches are written: a restarted build continues from there
 
 The corpus only grows, so a new store is seeded from older stores of the same target, layers and dtype (`reuse`):
-a sequence with the same id and length there is copied, not recomputed. Within one work folder a record's id is its
+a sequence with the same id and length there is copied, not recomputed, from a complete store or from the finished
+batches of one a kill interrupted. Within one work folder a record's id is its
 prompt's and the prompt text is checked against the prompt set (`pipeline.load_sequences`), so id and length name
 the same tokens.
 """
@@ -209,13 +210,13 @@ def _copy_reusable(meta: dict, folder: Path, reuse: Sequence[str | Path], numpy_
     target = None
     for source in map(Path, reuse):
         try:
-            store = FeatureStore(source)
+            store = FeatureStore(source, partial=True)
         except (OSError, ValueError):
-            continue  # missing or incomplete: nothing to take from it
+            continue  # missing or unreadable: nothing to take from it
         if any(store.meta.get(key) != meta.get(key) for key in same):
             continue
         found = [(store.index[i][0], wanted[i][0], length, i) for i, (_, length) in wanted.items()
-                 if i in store.index and store.index[i][1] == length]
+                 if i in store.written and store.index[i][1] == length]
         if not found:
             continue
         if target is None:
@@ -230,17 +231,31 @@ def _copy_reusable(meta: dict, folder: Path, reuse: Sequence[str | Path], numpy_
     return seeded
 
 
-class FeatureStore:
-    """Reads an offline feature folder written by `build_feature_store`."""
+def _written_ids(index: dict, state: dict) -> set[str]:
+    """The ids a store holds: every one when complete, else the seeded ones and those of the batches done (the
+    batch plan is a pure function of the ids, lengths and batch size, as `_build_feature_store` makes it)."""
+    if state.get("complete"):
+        return set(index)
+    seeded = set(state.get("seeded", ()))
+    todo = [i for i in index if i not in seeded]
+    batches = plan_batches([index[i][1] for i in todo], todo, state["batch_size"])
+    return seeded | {todo[j] for batch in batches[: state["batches_done"]] for j in batch}
 
-    def __init__(self, folder: str | Path):
+
+class FeatureStore:
+    """Reads an offline feature folder written by `build_feature_store`; with `partial`, also one whose build was
+    interrupted (`written`: the ids whose features it holds, for seeding a new store)."""
+
+    def __init__(self, folder: str | Path, *, partial: bool = False):
         folder = Path(folder)
         meta_path = folder / META_FILE
         if not meta_path.is_file():
             raise FileNotFoundError(f"{folder} is not a feature store ({META_FILE} is missing): build it first")
-        if not json.loads((folder / PROGRESS_FILE).read_text()).get("complete"):
+        state = json.loads((folder / PROGRESS_FILE).read_text())
+        if not state.get("complete") and not partial:
             raise ValueError(f"the feature store {folder} is incomplete: run the features stage again to finish it")
         self.meta = json.loads(meta_path.read_text())
+        self.written = _written_ids(self.meta["index"], state)
         self.index = self.meta["index"]
         self.layer_ids = self.meta["layer_ids"]
         self.torch_dtype, numpy_dtype = STORAGE_DTYPES[self.meta["dtype"]]
@@ -251,7 +266,7 @@ class FeatureStore:
     def __call__(self, sequences, context_length):
         rows = []
         for sequence in sequences:
-            if sequence.id not in self.index:
+            if sequence.id not in self.written:
                 raise ValueError(f"sequence {sequence.id!r} has no features in {self.folder}: rebuild the store")
             offset, length = self.index[sequence.id]
             take = min(length, context_length)

@@ -230,6 +230,36 @@ def test_a_new_store_copies_the_sequences_an_older_store_holds_and_computes_only
     assert computed == [] and torch.equal(store(old[:4], 40), FeatureStore(tmp_path / "old")(old[:4], 40))
 
 
+def test_a_new_store_copies_the_finished_batches_of_an_interrupted_one(tmp_path, monkeypatch):
+    target, _ = target_and_draft()
+    old = pattern_sequences(7)
+    real, computed, kill_after = features_module.extract_features, [], [4]  # two batches of two, then a kill
+
+    def counting(model, ids, layers):
+        if len(computed) == kill_after[0]:
+            raise Killed
+        computed.extend(len(row) for row in ids)
+        return real(model, ids, layers)
+
+    monkeypatch.setattr(features_module, "extract_features", counting)
+    with pytest.raises(Killed):
+        build_feature_store(target, old, tmp_path / "old", FEATURE_LAYERS, dtype="float32", batch_size=2,
+                            progress=False)
+    written = FeatureStore(tmp_path / "old", partial=True).written
+    assert len(written) == 4  # the shortest four: the plan sorts by length
+    assert sorted(len(s) for s in old if s.id in written) == sorted(computed)
+
+    computed.clear()
+    kill_after[0] = None
+    grown = old + pattern_sequences(2, seed=5)
+    store = build_feature_store(target, grown, tmp_path / "new", FEATURE_LAYERS, dtype="float32", batch_size=2,
+                                progress=False, reuse=[tmp_path / "old"])
+    assert sorted(computed) == sorted(len(s) for s in grown if s.id not in written)
+    assert torch.allclose(store(grown, 40), OnlineFeatures(target, FEATURE_LAYERS)(grown, 40), atol=1e-6)
+    with pytest.raises(ValueError, match="has no features"):  # a partial store never hands out unwritten rows
+        FeatureStore(tmp_path / "old", partial=True)([s for s in old if s.id not in written], 10)
+
+
 def test_the_held_out_records_of_a_grown_corpus_are_never_ones_the_smaller_corpus_trained_on():
     from flashdraft.train.pipeline import split_heldout
 
