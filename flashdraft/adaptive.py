@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from . import native
 from .engine import THREADING_VARIABLES, interleaved_seconds
 from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement
 from .sampling import SamplingParams
@@ -143,8 +144,10 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "engine": target.engine_name,
             # The engine's kernel choice decides its costs: a new kernel (or a new measurement) prices anew.
             "kernels": target.engine.kernels.table if target.engine is not None else None,
+            "native": native.build_identity(),  # a rebuilt native kernel (new source or compiler) prices anew
             # How threads wait changes every cost (a one-token step 2x here), and the draft's arithmetic its pass.
-            "environment": {name: os.environ.get(name) for name in (*THREADING_VARIABLES, "FLASHDRAFT_DRAFT_BF16")},
+            "environment": {name: os.environ.get(name) for name in (*THREADING_VARIABLES, "FLASHDRAFT_DRAFT_BF16",
+                                                                         "FLASHDRAFT_NATIVE_ATTENTION")},
             "dtype": str(target.dtype),
             "device": str(target.device),
             "threads": torch.get_num_threads(),

@@ -386,6 +386,15 @@ _DRAFT_KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o"
                 "up_proj": "gate_up", "down_proj": "down", "fc": "down"}
 
 
+# Attention on the native kernel (`native.causal_attention`) for steps of rows without padding of up to 4 tokens on
+# one thread, up to 16 on more (BENCHMARKS.md, "Native attention"): one query over 129 keys in 9 us against torch's
+# fused kernel's 23; T(1) -9% after 200 cached tokens, -23% after 1,000. On one thread torch's blocked products win
+# from 8 queries on. Threads share the work from PARALLEL_KEY_READS key reads (key/value heads x rows x keys) on.
+# FLASHDRAFT_NATIVE_ATTENTION=0: torch's kernel always.
+NATIVE_ATTENTION_QUERIES = {"one thread": 4, "threads": 16}
+PARALLEL_KEY_READS = 1024
+
+
 class Engine:
     """Runs the forward of a supported model (`unsupported_reason` is None) on its own weights."""
 
@@ -407,6 +416,9 @@ class Engine:
         self.layers = [_layer_weights(layer, self._fuse) for layer in base.layers]
         self.forms = {id(w): WeightForms.of(w) for w in self._weights()}
         self.kernels = KernelChoice({})
+        self.native_attention = (native.available() and native.attention_fits(self.num_heads, self.kv_heads,
+                                                                              self.head_dim)
+                                 and os.environ.get("FLASHDRAFT_NATIVE_ATTENTION", "1") != "0")
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this engine still runs on `model`'s weights (not so after e.g. `model.to(dtype)`)."""
@@ -496,6 +508,10 @@ class Engine:
         visible = self._visible(cache, batch, n, start, end, position_ids)  # [b, 1, n, end] or None
         wanted = set(layer_ids or ())
         collected = []
+        threads = torch.get_num_threads() > 1
+        native_attention = (self.native_attention and start is not None and cache.padding is None
+                            and n <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"])
+        parallel = threads and kv_heads * batch * end >= PARALLEL_KEY_READS
         h = F.embedding(input_ids, self.embed).view(rows, -1)
         for index, layer in enumerate(self.layers):
             qkv = self._product("qkv", rms_norm(h, layer.input_norm, eps), layer.qkv)
@@ -517,7 +533,10 @@ class Engine:
             else:
                 keys[:, :, start:end] = qk[:, heads:].view(batch, n, kv_heads, head_dim).transpose(1, 2)
                 values[:, :, start:end] = qkv[:, heads + kv_heads :].view(batch, n, kv_heads, head_dim).transpose(1, 2)
-            attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], visible, batch, n)
+            if native_attention:
+                attended = native.unchecked_causal_attention(qk[:, :heads], keys, values, start, parallel)
+            else:
+                attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], visible, batch, n)
             h = h + self._product("o", attended, layer.o)
             gate, up = self._product("gate_up", rms_norm(h, layer.post_norm, eps),
                                      layer.gate_up).chunk(2, dim=-1)

@@ -86,6 +86,28 @@ def test_plain_and_speculative_decoding_equal_transformers_generate(arch):
         assert generate(target, draft, prompt, max_new_tokens=40, block_size=block_size).tokens == expected
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("setting", ["default", "off"])
+def test_attention_on_the_native_kernel_keeps_the_engine_exact(monkeypatch, arch, setting):
+    if setting == "off":
+        monkeypatch.setenv("FLASHDRAFT_NATIVE_ATTENTION", "0")
+    model = tiny_target(arch, hidden_size=128, heads=2, kv_heads=1)  # head_dim 64: the native kernel's shape
+    engine_target, reference = TargetModel(model, engine="flashdraft"), TargetModel(model, engine="transformers")
+    assert engine_target.engine.native_attention == (native.available() and setting == "default")
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(40)[None]
+    ours, theirs = engine_target.new_cache(), reference.new_cache()
+    for window in (slice(0, 20), slice(20, 21), slice(21, 25), slice(25, 33), slice(33, 34)):  # 1, 4 and 8 tokens
+        logits, _ = engine_target.forward(ids[:, window], positions[:, window], ours, [])
+        expected, _ = reference.forward(ids[:, window], positions[:, window], theirs, [])
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    prompt = ids[:, :9]
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, 9:].tolist()
+    assert generate(engine_target, None, prompt, max_new_tokens=40).tokens == expected
+    draft = tiny_draft(model, block_size=4)
+    assert generate(engine_target, draft, prompt, max_new_tokens=40, block_size=4).tokens == expected
+
+
 def test_rollback_is_a_length():
     engine_target, reference = both()
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))

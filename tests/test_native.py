@@ -316,3 +316,59 @@ def test_the_native_rms_norm_refuses_mismatched_inputs():
         native.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
     with pytest.raises(ValueError, match="float32 CPU x"):
         native.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-5)
+
+
+def reference_attention(queries, keys, values, start):
+    """torch's fused attention over the first start + n cached positions, causal within the step."""
+    batch = keys.shape[0]
+    rows, heads, head_dim = queries.shape
+    n, end = rows // batch, start + rows // batch
+    visible = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+    attended = F.scaled_dot_product_attention(
+        queries.reshape(batch, n, heads, head_dim).transpose(1, 2), keys[:, :, :end], values[:, :, :end],
+        attn_mask=visible, enable_gqa=heads != keys.shape[1])
+    return attended.transpose(1, 2).reshape(rows, heads * head_dim)
+
+
+@requires_native
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 1, 128), (2, 2, 64), (8, 2, 64)])
+@pytest.mark.parametrize("batch, n, start", [(1, 1, 0), (1, 1, 200), (1, 3, 17), (2, 4, 100), (1, 6, 15), (3, 1, 31)])
+def test_native_attention_is_torchs_within_float32_rounding(heads, kv_heads, head_dim, batch, n, start):
+    generator = torch.Generator().manual_seed(heads * 100 + n * 10 + start)
+    capacity = 256
+    # q/k/v out of one product, as in the engine: the queries' rows are strided
+    qkv = torch.randn(batch * n, heads + 2 * kv_heads, head_dim, generator=generator) * 2
+    queries = qkv[:, :heads]
+    keys = torch.randn(batch, kv_heads, capacity, head_dim, generator=generator)
+    values = torch.randn(batch, kv_heads, capacity, head_dim, generator=generator)
+    expected = reference_attention(queries, keys, values, start)
+    serial = native.causal_attention(queries, keys, values, start)
+    torch.testing.assert_close(serial, expected, rtol=1e-5, atol=2e-6)
+    assert torch.equal(native.causal_attention(queries, keys, values, start, parallel=True), serial)
+
+
+@requires_native
+def test_native_attention_ignores_what_lies_beyond_each_querys_position():
+    generator = torch.Generator().manual_seed(5)
+    queries = torch.randn(3, 4, 64, generator=generator)
+    keys, values = torch.randn(2, 1, 2, 64, 64, generator=generator)
+    before = native.causal_attention(queries, keys, values, start=20)
+    keys[:, :, 23:], values[:, :, 23:] = float("nan"), 1e9  # past the last query (position 22): never read
+    keys[:, :, 22], values[:, :, 22] = keys[:, :, 22] * 3, values[:, :, 22] + 1  # seen by the last query only
+    after = native.causal_attention(queries, keys, values, start=20)
+    assert torch.equal(after[:2], before[:2]) and not torch.equal(after[2], before[2])
+    assert torch.isfinite(after).all()
+
+
+@requires_native
+def test_native_attention_refuses_what_it_cannot_compute():
+    keys = torch.zeros(1, 2, 32, 64)
+    with pytest.raises(ValueError, match="hd 64 or 128"):
+        native.causal_attention(torch.zeros(1, 4, 32), torch.zeros(1, 2, 32, 32), torch.zeros(1, 2, 32, 32), 0)
+    with pytest.raises(ValueError, match="within the capacity"):
+        native.causal_attention(torch.zeros(2, 4, 64), keys, keys, start=31)
+    with pytest.raises(ValueError, match="contiguous cache"):
+        native.causal_attention(torch.zeros(1, 4, 64), keys.transpose(1, 2).contiguous().transpose(1, 2), keys, 0)
+    with pytest.raises(ValueError, match="float32"):
+        native.causal_attention(torch.zeros(1, 4, 64, dtype=torch.float64), keys, keys, 0)
+    assert not native.attention_fits(4, 3, 64) and not native.attention_fits(4, 2, 96)
