@@ -41,6 +41,7 @@ from threadpoolctl import ThreadpoolController
 from torch import nn
 
 from . import native
+from .draft import DraftCache
 from .files import BUSY_CORES, WAITING_VARIABLES, cached_measurement, other_processes_cpu, save_measurement
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -265,31 +266,32 @@ class _Layer:
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(H + 2K) * hd, d]: q, k and v projections fused
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3's per-head norms
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # Qwen3's per-head q and k norms, [H + K, hd]: both one operator
     o: torch.Tensor
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * I, d]: gate and up projections fused
     down: torch.Tensor
-    qk_norm: torch.Tensor | None = None  # [H + K, hd]: each head's q or k norm weight (the draft's, one operator)
 
 
-def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch.Tensor]) -> _Layer:
+def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch.Tensor], heads: int,
+                   kv_heads: int) -> _Layer:
     """A decoder layer's weights in the engine's form (a Llama/Qwen layer or a DFlash draft layer: the same names),
-    the q/k/v and the gate/up projections each one weight made by `fuse`."""
+    the q/k/v and the gate/up projections each one weight made by `fuse`, the q and k norms one table."""
     attention, mlp = layer.self_attn, layer.mlp
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     qkv_bias = None
     if attention.q_proj.bias is not None:
         qkv_bias = torch.cat([p.bias.detach() for p in projections])
     q_norm = getattr(attention, "q_norm", None)
-    k_norm = getattr(attention, "k_norm", None)
+    qk_norm = None
+    if q_norm is not None:
+        qk_norm = torch.cat([q_norm.weight.detach().expand(heads, -1),
+                             attention.k_norm.weight.detach().expand(kv_heads, -1)])
     return _Layer(
         input_norm=layer.input_layernorm.weight.detach(),
         qkv=fuse(projections),
         qkv_bias=qkv_bias,
-        q_norm=q_norm.weight.detach() if q_norm is not None else None,
-        k_norm=k_norm.weight.detach() if k_norm is not None else None,
+        qk_norm=qk_norm,
         o=_aligned(attention.o_proj.weight),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         gate_up=fuse((mlp.gate_proj, mlp.up_proj)),
@@ -298,12 +300,23 @@ def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension: on the native kernel where there is one (a few microseconds a call against
-    torch's 10-30: a one-token step of the default target has 61 of them), else torch's; the same within float32
-    rounding."""
+    """RMSNorm over the last dimension, with a weight [D] or one per head [G, D] for x [..., G, D]: on the native
+    kernel where there is one (a few microseconds a call against torch's 10-30: a one-token step of the default
+    target has 61 of them), else torch's; the same within float32 rounding."""
     if native.available():
         return native.rms_norm(x, weight, eps)
+    if weight.dim() == 2:
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight
     return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection's output [..., 2F]: one native pass where there is one, else
+    torch's three operators; the same within float32 rounding."""
+    if native.available():
+        return native.swiglu(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RotaryTables:
@@ -395,6 +408,12 @@ NATIVE_ATTENTION_QUERIES = {"one thread": 4, "threads": 16}
 PARALLEL_KEY_READS = 1024
 
 
+def native_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether attention of these shapes runs on the native kernel here (not with FLASHDRAFT_NATIVE_ATTENTION=0)."""
+    return (native.available() and native.attention_fits(heads, kv_heads, head_dim)
+            and os.environ.get("FLASHDRAFT_NATIVE_ATTENTION", "1") != "0")
+
+
 class Engine:
     """Runs the forward of a supported model (`unsupported_reason` is None) on its own weights."""
 
@@ -413,12 +432,10 @@ class Engine:
         self.embed = model.get_input_embeddings().weight
         self.norm = base.norm.weight
         self.rotary = RotaryTables(base.rotary_emb, self.head_dim)
-        self.layers = [_layer_weights(layer, self._fuse) for layer in base.layers]
+        self.layers = [_layer_weights(layer, self._fuse, self.num_heads, self.kv_heads) for layer in base.layers]
         self.forms = {id(w): WeightForms.of(w) for w in self._weights()}
         self.kernels = KernelChoice({})
-        self.native_attention = (native.available() and native.attention_fits(self.num_heads, self.kv_heads,
-                                                                              self.head_dim)
-                                 and os.environ.get("FLASHDRAFT_NATIVE_ATTENTION", "1") != "0")
+        self.native_attention = native_attention_fits(self.num_heads, self.kv_heads, self.head_dim)
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this engine still runs on `model`'s weights (not so after e.g. `model.to(dtype)`)."""
@@ -518,9 +535,8 @@ class Engine:
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qkv = qkv.reshape(rows, heads + 2 * kv_heads, head_dim)
-            if layer.q_norm is not None:
-                qk = torch.cat([F.rms_norm(qkv[:, :heads], (head_dim,), layer.q_norm, eps),
-                                F.rms_norm(qkv[:, heads : heads + kv_heads], (head_dim,), layer.k_norm, eps)], dim=1)
+            if layer.qk_norm is not None:
+                qk = rms_norm(qkv[:, : heads + kv_heads], layer.qk_norm, eps)
             else:
                 qk = qkv[:, : heads + kv_heads]
             qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
@@ -538,9 +554,8 @@ class Engine:
             else:
                 attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], visible, batch, n)
             h = h + self._product("o", attended, layer.o)
-            gate, up = self._product("gate_up", rms_norm(h, layer.post_norm, eps),
-                                     layer.gate_up).chunk(2, dim=-1)
-            h = h + self._product("down", F.silu(gate) * up, layer.down)
+            gate_up = self._product("gate_up", rms_norm(h, layer.post_norm, eps), layer.gate_up)
+            h = h + self._product("down", swiglu(gate_up), layer.down)
             if index in wanted:
                 collected.append(h)
         cache.length = max(cache.length, end) if start is None else end
@@ -605,6 +620,7 @@ class DraftEngine:
                                                         config.head_dim)
         self.eps = config.rms_norm_eps
         self.rotary = RotaryTables(draft.rotary_emb, self.head_dim)
+        self.native_attention = native_attention_fits(self.num_heads, self.kv_heads, self.head_dim)
         self.parameters = list(draft.parameters())
         self._made_from = None
         # bfloat16 arithmetic for the products of bfloat16 weights, where the CPU has it: a draft's proposals
@@ -631,9 +647,7 @@ class DraftEngine:
         if made_from == self._made_from:
             return
         draft = self.draft
-        self.layers = [_layer_weights(layer, _concatenated) for layer in draft.layers]
-        for layer in self.layers:  # each head's norm weight in one table [H + K, hd]: both norms one operator
-            layer.qk_norm = torch.cat([layer.q_norm.expand(self.num_heads, -1), layer.k_norm.expand(self.kv_heads, -1)])
+        self.layers = [_layer_weights(layer, _concatenated, self.num_heads, self.kv_heads) for layer in draft.layers]
         self.fc = _aligned(draft.fc.weight)
         self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
         weights = [self.fc] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -691,21 +705,31 @@ class DraftEngine:
         cos, sin = self.rotary(int(position_ids.max()) + 1)
         cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [b, n, 1, hd]
         h = noise_embedding.reshape(batch * q_len, d)
+        native_attention = (self.native_attention and batch == 1 and attention_mask is None
+                            and isinstance(cache, DraftCache))
+        threads = torch.get_num_threads() > 1
         for index, layer in enumerate(self.layers):
             normed = rms_norm(h, layer.input_norm, eps).view(batch, q_len, d)
             window = torch.cat([context, normed], dim=1).view(batch * n, d)
             qkv = self._product("qkv", window, layer.qkv).view(batch, n, heads + 2 * kv_heads, head_dim)
-            qk = F.rms_norm(qkv[:, :, : heads + kv_heads], (head_dim,), None, eps) * layer.qk_norm  # q and k norms
+            qk = rms_norm(qkv[:, :, : heads + kv_heads], layer.qk_norm, eps)  # q and k norms, one operator
             qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
             queries = qk[:, width:, :heads].transpose(1, 2)  # the block's queries only: [b, H, q, hd]
             keys, values = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
             if cache is not None:
                 keys, values = cache.update(keys, values, index)
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask,
-                                                      enable_gqa=heads != kv_heads)  # [b, H, q, hd]
-            h = h + self._product("o", attended.transpose(1, 2).reshape(batch * q_len, -1), layer.o)
-            gate, up = self._product("gate_up", rms_norm(h, layer.post_norm, eps), layer.gate_up).chunk(2, -1)
-            h = h + self._product("down", F.silu(gate) * up, layer.down)
+            if native_attention:  # the cache's whole buffers, the block at its end seeing all of itself
+                end = keys.shape[2]
+                attended = native.unchecked_causal_attention(
+                    qk[0, width:, :heads], cache.keys[index], cache.values[index], end - q_len,
+                    parallel=threads and kv_heads * end >= PARALLEL_KEY_READS, causal=False)
+            else:
+                attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask,
+                                                          enable_gqa=heads != kv_heads)  # [b, H, q, hd]
+                attended = attended.transpose(1, 2).reshape(batch * q_len, -1)
+            h = h + self._product("o", attended, layer.o)
+            gate_up = self._product("gate_up", rms_norm(h, layer.post_norm, eps), layer.gate_up)
+            h = h + self._product("down", swiglu(gate_up), layer.down)
         return rms_norm(h, self.norm, eps).view(batch, q_len, d)
 
 

@@ -93,9 +93,13 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
         function.restype = None
     loaded.bf16_dot_available.restype = ctypes.c_int
-    loaded.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
+    loaded.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                ctypes.c_long, ctypes.c_long, ctypes.c_float]
     loaded.rms_norm.restype = None
-    loaded.causal_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
+    loaded.swiglu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+    loaded.swiglu.restype = None
+    loaded.causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_float]
+                                        + [ctypes.c_int] * 2)
     loaded.causal_attention.restype = None
     return loaded, None, identity
 
@@ -306,26 +310,67 @@ def bf16_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`F.rms_norm(x, x.shape[-1:], weight, eps)` for float32 CPU tensors, on the native kernel: the same within
-    float32 rounding, in a microsecond where torch's chain of small operators takes ~30 us a call here."""
+    """`F.rms_norm(x, weight.shape, weight, eps)` for float32 CPU tensors, on the native kernel: the same within float32
+    rounding, in a microsecond where torch's chain of small operators takes ~30 us a call here. `weight` [D] normalizes
+    rows of D; `weight` [G, D] normalizes each of the G rows of D of x [..., G, D] with its own weight row (the q and
+    k heads of a q/k/v product, which may be a view: each position's G rows contiguous, positions evenly spaced).
+    Returns a contiguous tensor of x's shape."""
     library = _build()[0]
     if library is None:
         raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.dim() != 1 \
-            or x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"native rms_norm takes float32 CPU x [..., D] and weight [D], not {x.dtype} "
-                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-    x, weight = x.contiguous(), weight.contiguous()
-    out = torch.empty_like(x)
-    library.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+    groups, width = (1, weight.shape[0]) if weight.dim() == 1 else tuple(weight.shape)
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.dim() > 2 \
+            or tuple(x.shape[x.dim() - weight.dim():]) != tuple(weight.shape):
+        raise ValueError(f"native rms_norm takes float32 CPU x [..., D] and weight [D] (or x [..., G, D] and weight "
+                         f"[G, D]), not {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    weight = weight.contiguous()
+    stride = _position_stride(x, groups, width)
+    if stride is None:
+        x = x.contiguous()
+        stride = groups * width
+    out = torch.empty(x.shape)
+    library.rms_norm(x.data_ptr(), stride, weight.data_ptr(), groups, out.data_ptr(), x.numel() // (groups * width),
+                     width, eps)
+    return out
+
+
+def _position_stride(x: torch.Tensor, groups: int, width: int) -> int | None:
+    """The distance between the positions of x [..., G, D] when each position's G rows of D are contiguous and the
+    positions evenly spaced (the q and k heads of a q/k/v product), else None."""
+    if x.is_contiguous():
+        return groups * width
+    if groups == 1 or x.stride(-1) != 1 or x.stride(-2) != width or x.dim() == 2:
+        return None
+    step = expected = x.stride(-3)
+    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
+        if size > 1 and stride != expected:
+            return None
+        expected *= size
+    return step
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` with gate, up = gate_up.chunk(2, -1) (a fused gate/up projection's output [..., 2F]), on
+    the native kernel: one pass where torch runs three operators; torch's result within float32 rounding."""
+    library = _build()[0]
+    if library is None:
+        raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
+    if gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.shape[-1] % 2:
+        raise ValueError(f"native swiglu takes a float32 CPU gate/up [..., 2F], not {gate_up.dtype} "
+                         f"{tuple(gate_up.shape)} on {gate_up.device}")
+    gate_up = gate_up.contiguous()
+    features = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], features)
+    library.swiglu(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * features), features)
     return out
 
 
 def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                     parallel: bool = False) -> torch.Tensor:
+                     parallel: bool = False, causal: bool = True) -> torch.Tensor:
     """Attention of a decoding step's queries over a cache, on the native kernel: `queries` [b * n, H, hd] (rows may
     be strided: q/k/v come out of one product), `keys` and `values` the cache [b, K, capacity, hd] (contiguous; H a
-    multiple of K), query i of each row at position `start + i` seeing keys 0..start+i. Returns [b * n, H * hd]:
+    multiple of K), query i of each row at position `start + i` seeing keys 0..start+i (with `causal` False every key
+    up to start+n-1: a DFlash draft's block). Returns [b * n, H * hd]:
     torch's `scaled_dot_product_attention` (causal over the step, grouped-query) within float32 rounding, in a few
     microseconds where torch's takes ~25 a call. hd 64 or 128 (`attention_fits`)."""
     library = _build()[0]
@@ -343,11 +388,11 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
                          f"contiguous cache [b, K, capacity, hd], H a multiple of K, hd 64 or 128, positions within "
                          f"the capacity; not {queries.dtype} {tuple(queries.shape)}, {keys.dtype} "
                          f"{tuple(keys.shape)}, start {start}")
-    return unchecked_causal_attention(queries, keys, values, start, parallel)
+    return unchecked_causal_attention(queries, keys, values, start, parallel, causal)
 
 
 def unchecked_causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                               parallel: bool = False) -> torch.Tensor:
+                               parallel: bool = False, causal: bool = True) -> torch.Tensor:
     """`causal_attention` without its checks (~3 us of a ~10 us call), for a caller that guarantees them: the
     engine, whose cache and projections have that layout by construction."""
     rows, heads, head_dim = queries.shape
@@ -355,7 +400,7 @@ def unchecked_causal_attention(queries: torch.Tensor, keys: torch.Tensor, values
     out = torch.empty(rows, heads * head_dim)
     _build()[0].causal_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), batch,
                                  rows // batch, heads, kv_heads, head_dim, queries.stride(0), capacity, start,
-                                 head_dim ** -0.5, int(parallel))
+                                 head_dim ** -0.5, int(causal), int(parallel))
     return out
 
 

@@ -259,6 +259,27 @@ def test_the_draft_pass_on_the_engine_equals_the_modules(arch, kernel):
     torch.testing.assert_close(ours.keys[1][:, :, :start], theirs.keys[1][:, :, :start], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("setting", ["default", "off"])
+def test_the_draft_pass_with_native_attention_equals_the_modules(monkeypatch, setting):
+    if setting == "off":
+        monkeypatch.setenv("FLASHDRAFT_NATIVE_ATTENTION", "0")
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)  # head_dim 64: the native kernel's shape
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=8)
+    fast = DraftEngine.for_draft(draft, target.engine)
+    assert fast.native_attention == (native.available() and setting == "default")
+    ours, theirs = DraftCache(draft.config, 64), DraftCache(draft.config, 64)
+    start = 0
+    for width, seed in ((20, 1), (1, 2), (5, 3)):  # a prompt's context, then rounds of 1 and 5 accepted positions
+        noise, features, positions = draft_inputs(draft, width, 8, start + width, seed)
+        with torch.no_grad():
+            expected = draft(noise, features, positions, theirs)
+        torch.testing.assert_close(fast(noise, features, positions, ours), expected, rtol=1e-5, atol=1e-5)
+        ours.crop(-8)
+        theirs.crop(-8)
+        start += width
+
+
 def test_the_draft_pass_on_the_engine_drafts_rows_of_different_lengths():
     model = tiny_target("qwen3")
     target = TargetModel(model, engine="flashdraft")

@@ -318,6 +318,35 @@ def test_the_native_rms_norm_refuses_mismatched_inputs():
         native.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-5)
 
 
+@requires_native
+@pytest.mark.parametrize("view", ["contiguous", "q and k heads of q/k/v", "one position"])
+def test_the_native_rms_norm_gives_each_head_its_own_weight(view):
+    generator = torch.Generator().manual_seed(4)
+    qkv = torch.randn(2, 5, 12, 64, generator=generator) * 3  # [b, n, H + 2K, hd] with H = 6, K = 3
+    x = {"contiguous": qkv[:, :, :9].contiguous(), "q and k heads of q/k/v": qkv[:, :, :9],
+         "one position": qkv[0, 0, :9]}[view]
+    weight = torch.randn(9, 64, generator=generator)
+    out = native.rms_norm(x, weight, 1e-6)
+    assert out.shape == x.shape and out.is_contiguous()
+    torch.testing.assert_close(out, F.rms_norm(x, (64,), None, 1e-6) * weight, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="weight \\[G, D\\]"):
+        native.rms_norm(x, torch.randn(8, 64), 1e-6)
+
+
+@requires_native
+@pytest.mark.parametrize("shape", [(1, 3072), (8, 3072), (3, 2, 40), (2, 6)])
+def test_the_native_swiglu_is_torchs_within_float32_rounding(shape):
+    gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = native.swiglu(gate_up)
+    assert out.shape == gate.shape
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=3e-6, atol=3e-6)
+    extreme = torch.tensor([[-100.0, -30.0, 0.0, 30.0, 100.0] * 4 + [1.0] * 20])
+    torch.testing.assert_close(native.swiglu(extreme), F.silu(extreme[:, :20]) * extreme[:, 20:])
+    with pytest.raises(ValueError, match="gate/up"):
+        native.swiglu(torch.zeros(2, 7))
+
+
 def reference_attention(queries, keys, values, start):
     """torch's fused attention over the first start + n cached positions, causal within the step."""
     batch = keys.shape[0]

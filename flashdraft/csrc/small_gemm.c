@@ -350,24 +350,27 @@ void bf16_dot_gemm(const unsigned short *x, const unsigned short *w, float *y, l
 void bf16_dot_gemm_parallel(const unsigned short *x, const unsigned short *w, float *y, long M, long N, long K) {}
 #endif
 
-/* y[M, D] = x * (1 / sqrt(mean(x^2) + eps)) * w, row by row: RMSNorm, the engine's one operator between products.
+/* RMSNorm, the engine's one operator between products: for M positions of `groups` rows of D floats each (row g of
+ * position m at x + m * stride + g * D: a model's hidden states with groups 1, or the q and k heads of a q/k/v
+ * product, whose v heads sit between positions), y[m, g] = x * (1 / sqrt(mean(x^2) + eps)) * w[g], y contiguous.
  * torch's takes ~30 us for one row of 576 here (a chain of small kernels); this, a microsecond. The sum of squares
  * runs in float32 lanes, then across them: the result is torch's within float32 rounding, not bit for bit. */
-void rms_norm(const float *x, const float *w, float *y, long M, long D, float eps) {
-    for (long m = 0; m < M; m++) {
-        const float *row = x + m * D;
-        float *out = y + m * D;
-        vec squares = {0};
-        long d = 0;
-        for (; d + LANES <= D; d += LANES) {
-            const vec v = load(row + d);
-            squares += v * v;
+void rms_norm(const float *x, long stride, const float *w, long groups, float *y, long M, long D, float eps) {
+    for (long m = 0; m < M; m++)
+        for (long g = 0; g < groups; g++) {
+            const float *row = x + m * stride + g * D, *weight = w + g * D;
+            float *out = y + (m * groups + g) * D;
+            vec squares = {0};
+            long d = 0;
+            for (; d + LANES <= D; d += LANES) {
+                const vec v = load(row + d);
+                squares += v * v;
+            }
+            float sum = lane_sum(squares);
+            for (; d < D; d++) sum += row[d] * row[d];
+            const float scale = 1.0f / __builtin_sqrtf(sum / (float)D + eps);
+            for (d = 0; d < D; d++) out[d] = weight[d] * (row[d] * scale);
         }
-        float sum = lane_sum(squares);
-        for (; d < D; d++) sum += row[d] * row[d];
-        const float scale = 1.0f / __builtin_sqrtf(sum / (float)D + eps);
-        for (d = 0; d < D; d++) out[d] = w[d] * (row[d] * scale);
-    }
 }
 
 /* Lane by lane, `mask` (all ones or zero per lane, from a comparison) ? a : b. */
@@ -501,13 +504,14 @@ static inline __attribute__((always_inline)) void attend_tile(const int MQ, cons
 
 /* Causal attention for the few queries of a decoding step over a cache laid out [batch, kv_heads, capacity,
  * head_dim]: query i of each row sits at position start + i and sees keys 0..start+i (a block sees the cache and
- * itself up to its own position); query head h reads key/value head h / (heads / kv_heads). Queries [batch * n,
+ * itself up to its own position), or with `causal` 0 every key up to start+n-1 (a DFlash draft's block, which sees
+ * all of itself); query head h reads key/value head h / (heads / kv_heads). Queries [batch * n,
  * heads, head_dim] with `query_stride` floats between rows; out [batch * n, heads * head_dim]. The work goes in
  * tiles of up to TILE_QUERIES (query, head) pairs of one key/value head, shared among threads when `parallel`.
  * head_dim must be 64 or 128. */
 void causal_attention(const float *q, const float *k, const float *v, float *out, long batch, long n, long heads,
                       long kv_heads, long head_dim, long query_stride, long capacity, long start, float scale,
-                      int parallel) {
+                      int causal, int parallel) {
     const long group = heads / kv_heads, per_head = n * group; /* the queries of one key/value head */
     const long tiles_per_head = (per_head + TILE_QUERIES - 1) / TILE_QUERIES;
     const long tiles = batch * kv_heads * tiles_per_head;
@@ -523,7 +527,7 @@ void causal_attention(const float *q, const float *k, const float *v, float *out
             const long i = (first + r) / group, h = kv * group + (first + r) % group, row = b * n + i;
             queries[r] = q + row * query_stride + h * head_dim;
             outs[r] = out + (row * heads + h) * head_dim;
-            limits[r] = start + i + 1;
+            limits[r] = causal ? start + i + 1 : start + n;
         }
         const float *keys = k + (b * kv_heads + kv) * capacity * head_dim;
         const float *values = v + (b * kv_heads + kv) * capacity * head_dim;
@@ -538,5 +542,21 @@ void causal_attention(const float *q, const float *k, const float *v, float *out
         case 28: attend_tile(2, 8, queries, keys, values, outs, limits, scale); break;
         case 18: attend_tile(1, 8, queries, keys, values, outs, limits, scale); break;
         }
+    }
+}
+
+/* SwiGLU's product: y[m, j] = silu(g) * u with g = x[m, j], u = x[m, F + j] (a fused gate/up projection's output
+ * [M, 2F]), silu(g) = g / (1 + e^-g). One pass where torch runs three operators (chunk, silu, mul); e^-g within
+ * ~2 ulp of expf, so the result is torch's within float32 rounding. */
+void swiglu(const float *x, float *y, long M, long F) {
+    for (long m = 0; m < M; m++) {
+        const float *gate = x + m * 2 * F, *up = gate + F;
+        float *out = y + m * F;
+        long j = 0;
+        for (; j + LANES <= F; j += LANES) {
+            const vec g = load(gate + j);
+            store(out + j, g / (1.0f + exp_lanes(-g)) * load(up + j));
+        }
+        for (; j < F; j++) out[j] = gate[j] / (1.0f + __builtin_expf(-gate[j])) * up[j];
     }
 }
