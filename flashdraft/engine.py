@@ -402,8 +402,8 @@ _DRAFT_KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o"
 # Attention on the native kernel (`native.causal_attention`) for steps of rows without padding of up to 4 tokens on
 # one thread, up to 16 on more (BENCHMARKS.md, "Native attention"): one query over 512 keys in 45 us on one thread
 # against torch's fused kernel's 75 on two; T(1) -9% after 200 cached tokens, -23% after 1,000. On one thread
-# torch's blocked products win from 8 queries on. Threads share the work from PARALLEL_KEY_READS key reads (key/value heads x rows x keys) on.
-# FLASHDRAFT_NATIVE_ATTENTION=0: torch's kernel always.
+# torch's blocked products win from 8 queries on. Threads share the work from PARALLEL_KEY_READS key reads
+# (key/value heads x rows x keys) on. FLASHDRAFT_NATIVE_ATTENTION=0: torch's kernel always.
 NATIVE_ATTENTION_QUERIES = {"one thread": 4, "threads": 16}
 PARALLEL_KEY_READS = 1024
 
