@@ -147,6 +147,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "native": native.build_identity(),  # a rebuilt native kernel (new source or compiler) prices anew
             # How threads wait changes every cost (a one-token step 2x here), and the draft's arithmetic its pass.
             "environment": {name: os.environ.get(name) for name in (*THREADING_VARIABLES, "FLASHDRAFT_DRAFT_BF16",
+                                                                         "FLASHDRAFT_DRAFT_INT8",
                                                                          "FLASHDRAFT_NATIVE_ATTENTION")},
             "dtype": str(target.dtype),
             "device": str(target.device),

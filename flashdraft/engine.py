@@ -627,7 +627,11 @@ class DraftEngine:
         # never change the output, and its 8-row products are bound by arithmetic (BENCHMARKS.md, "How threads
         # wait, and the draft pass on the engine"). FLASHDRAFT_DRAFT_BF16=0: float32 arithmetic, the module's results.
         self.bf16_dot = native.bf16_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_BF16", "1") != "0"
-        self._head: tuple | None = None  # (made from, packed bfloat16 head) for `logits`
+        # FLASHDRAFT_DRAFT_INT8=1: a shipped (bfloat16) draft's products in 8-bit integers instead, its weights
+        # rounded to int8 a row (half the bytes again: BENCHMARKS.md, "8-bit draft products"); opt-in, as it moves
+        # the proposals a little.
+        self.int8_dot = native.int8_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_INT8", "0") == "1"
+        self._head: tuple | None = None  # (made from, packed head) for `logits`
 
     @classmethod
     def for_draft(cls, draft: nn.Module, engine: Engine | None) -> DraftEngine | None:
@@ -655,10 +659,14 @@ class DraftEngine:
         # A draft whose weights are all bfloat16 values (as shipped) also reads its head in bfloat16 arithmetic; one
         # in training (float32 weights) stays in float32 throughout.
         self.bfloat16_weights = all(getattr(f.packed, "format", None) == "bf16" for f in self.forms.values())
+        self.int8 = ({id(w): native.pack_int8(w) for w in weights if not w.shape[1] % native.INT8_K_MULTIPLE}
+                     if self.int8_dot and self.bfloat16_weights else {})
         self._made_from = [(p.data_ptr(), p._version) for p in self.parameters]  # after `_aligned`'s moves
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         forms, product = self.forms[id(weight)], self.engine.kernels.product(kind, x.shape[0])
+        if id(weight) in self.int8:
+            return native.int8_dot_gemm(x, self.int8[id(weight)], parallel=product is _native_parallel)
         packed = forms.packed
         if self.bf16_dot and packed is not None and packed.format == "bf16" and not weight.shape[1] % native.BLOCK:
             return native.bf16_dot_gemm(x, packed, parallel=product is _native_parallel)
@@ -667,17 +675,19 @@ class DraftEngine:
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
         """`head(hidden)` for the draft's final hidden states [rows, d] (after a pass, so `_weights` is current);
-        for a bfloat16 draft with bfloat16 arithmetic, through a copy of the head's weight rounded to bfloat16 (made
-        again when the weight changes)."""
+        for a bfloat16 draft with bfloat16 (or 8-bit) arithmetic, through a copy of the head's weight rounded so
+        (made again when the weight changes)."""
         weight = head.weight
-        if (not (self.bf16_dot and self.bfloat16_weights) or head.bias is not None or weight.dtype != torch.float32
-                or weight.shape[1] % native.BLOCK):
+        int8 = bool(self.int8) and not weight.shape[1] % native.INT8_K_MULTIPLE
+        if (not ((self.bf16_dot or int8) and self.bfloat16_weights) or head.bias is not None
+                or weight.dtype != torch.float32 or weight.shape[1] % native.BLOCK):
             return head(hidden.to(weight.dtype))
-        made_from = (weight.data_ptr(), weight._version)
+        made_from = (weight.data_ptr(), weight._version, int8)
         if self._head is None or self._head[0] != made_from:
-            self._head = made_from, native.pack_bfloat16(weight.detach())
+            self._head = made_from, (native.pack_int8 if int8 else native.pack_bfloat16)(weight.detach())
         parallel = self.engine.kernels.product("head", hidden.shape[0]) is _native_parallel
-        return native.bf16_dot_gemm(hidden, self._head[1], parallel)
+        multiply = native.int8_dot_gemm if int8 else native.bf16_dot_gemm
+        return multiply(hidden, self._head[1], parallel)
 
     @torch.no_grad()
     def __call__(

@@ -93,6 +93,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
         function.restype = None
     loaded.bf16_dot_available.restype = ctypes.c_int
+    loaded.int8_dot_available.restype = ctypes.c_int
+    loaded.int8_dot_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    loaded.int8_dot_gemm.restype = None
     loaded.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                 ctypes.c_long, ctypes.c_long, ctypes.c_float]
     loaded.rms_norm.restype = None
@@ -148,17 +151,20 @@ LANES_PER_VECTOR = 16  # the kernel unpacks whole vectors of 16 weights: K must 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A float32 weight [N, K] held exactly in fewer bytes (see `pack`): what the native kernel reads instead."""
+    """A float32 weight [N, K] held exactly in fewer bytes (see `pack`): what the native kernel reads instead; or,
+    for a draft's products only, rounded to 8 bits a row (`pack_int8`)."""
 
     format: str
     shape: tuple[int, int]
-    data: torch.Tensor  # bf16: int16 [N, K]; q8_0: int8 [N, K]; q4_1: uint8 [N, K / 2]
-    scale: torch.Tensor | None = None  # float32 [N, K / 32]
+    data: torch.Tensor  # bf16: int16 [N, K]; q8_0 and int8: int8 [N, K]; q4_1: uint8 [N, K / 2]
+    scale: torch.Tensor | None = None  # float32 [N, K / 32]; int8: [N]
     minimum: torch.Tensor | None = None  # float32 [N, K / 32], q4_1 only
+    row_sums: torch.Tensor | None = None  # int32 [N], int8 only: each row's sum of codes
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.minimum) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.minimum, self.row_sums)
+                   if t is not None)
 
     def unpack(self) -> torch.Tensor:
         """The float32 weight again (in torch, for tests and checks)."""
@@ -167,6 +173,8 @@ class PackedWeight:
             return self.data.view(torch.bfloat16).float()
         if self.format == "q8_0":
             return torch.mul(self.data.float().view(n, k // BLOCK, BLOCK), self.scale[..., None]).view(n, k)
+        if self.format == "int8":
+            return self.data.float() * self.scale[:, None]
         low, high = self.data.view(n, k // BLOCK, BLOCK // 2) & 15, self.data.view(n, k // BLOCK, BLOCK // 2) >> 4
         q = torch.cat([low, high], dim=-1).float()
         return torch.add(torch.mul(self.scale[..., None], q), self.minimum[..., None]).view(n, k)
@@ -306,6 +314,48 @@ def bf16_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
     library = _build()[0]
     function = library.bf16_dot_gemm_parallel if parallel else library.bf16_dot_gemm
     function(rounded.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
+    return out
+
+
+INT8_K_MULTIPLE = 64  # the int8 kernel reads 64 codes of a row at a time
+
+
+def int8_dot_available() -> bool:
+    """Whether the kernel was built with 8-bit integer dot products (a CPU with AVX512_VNNI, e.g. AMD Zen 4, Intel
+    Cascade Lake and later), for `int8_dot_gemm`."""
+    library = _build()[0]
+    return library is not None and bool(library.int8_dot_available())
+
+
+def pack_int8(weight: torch.Tensor) -> PackedWeight:
+    """`weight` (float32 [N, K]) rounded to 8-bit codes with one scale a row (its largest magnitude to 127): an
+    approximation, for a draft's `int8_dot_gemm` only. Half the bytes of bfloat16."""
+    weight = weight.detach().float()
+    largest = weight.abs().amax(dim=1)
+    scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return PackedWeight("int8", tuple(weight.shape), codes, scale.contiguous(),
+                        row_sums=codes.sum(dim=1, dtype=torch.int32).contiguous())
+
+
+def int8_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False) -> torch.Tensor:
+    """`x @ W.T` in 8-bit integers for an int8-packed W (`pack_int8`): each row of x rounded to 8-bit codes with its
+    own scale, products summed exactly in int32 by AVX-512 VNNI, then scaled. An approximation of the float32
+    product (~1% of a typical output), for a draft's proposals, never for the target's logits. K a multiple of 64."""
+    if not int8_dot_available():
+        raise RuntimeError("8-bit dot products are unavailable here: the native kernel was not built for a CPU "
+                           f"with AVX512_VNNI ({unavailable_reason() or 'this CPU lacks it'})")
+    if weight.format != "int8" or weight.shape[1] % INT8_K_MULTIPLE:
+        raise ValueError(f"int8_dot_gemm takes an int8-packed weight with K a multiple of {INT8_K_MULTIPLE}, not "
+                         f"{weight.format} {weight.shape}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"int8_dot_gemm multiplies float32 [M, {weight.shape[1]}] on CPU by the packed weight, "
+                         f"not {x.dtype} {tuple(x.shape)} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0])
+    _build()[0].int8_dot_gemm(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(),
+                              weight.row_sums.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
+                              int(parallel))
     return out
 
 

@@ -353,6 +353,34 @@ def test_a_bfloat16_draft_computes_in_bfloat16_where_the_cpu_can(monkeypatch, se
         torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("setting", ["opted in", "default"])
+def test_a_bfloat16_draft_computes_in_8_bit_integers_when_asked(monkeypatch, setting):
+    if setting == "opted in":
+        monkeypatch.setenv("FLASHDRAFT_DRAFT_INT8", "1")
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)  # every K a multiple of 64
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()  # as a shipped draft loads
+    fast = DraftEngine.for_draft(draft, target.engine)
+    head = target.head_rows(torch.arange(0, 96, 2))
+    noise, features, positions = draft_inputs(draft, 6, 4, 6, seed=3)
+    with torch.no_grad():
+        expected = draft(noise, features, positions)
+        expected_logits = head(expected[0])
+    ours = fast(noise, features, positions)
+    logits = fast.logits(ours[0], head)
+    int8 = native.int8_dot_available() and setting == "opted in"
+    assert bool(fast.int8) == int8 and len(fast.int8) == (9 if int8 else 0)  # fc and 4 products in each layer
+    error = (ours - expected).abs().max() / expected.abs().max()
+    logits_error = (logits - expected_logits).abs().max() / expected_logits.abs().max()
+    assert error <= (0.05 if int8 else 2e-2) and logits_error <= (0.05 if int8 else 2e-2)
+    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(11))
+    reference = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 9:].tolist()
+    assert generate(target, draft, prompt, max_new_tokens=30, block_size=4, proposals="dflash").tokens == reference
+    training = DraftEngine.for_draft(shaken_draft(model, block_size=4), target.engine)  # float32 weights
+    training(noise, features, positions)
+    assert training.int8 == {}  # a draft in training keeps its own arithmetic
+
+
 def test_speculative_decoding_with_a_bfloat16_draft_pass_stays_exact():
     model = tiny_target("qwen3")
     draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()

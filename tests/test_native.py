@@ -293,6 +293,44 @@ def test_bfloat16_dot_products_refuse_what_they_cannot_compute():
         native.bf16_dot_gemm(torch.randn(2, 63), native.pack(weight))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9])
+@pytest.mark.parametrize("outputs, inputs", [(64, 576), (7, 128), (13, 1536)])
+def test_int8_dot_products_are_the_products_of_the_quantized_rows(rows, outputs, inputs):
+    generator = torch.Generator().manual_seed(rows * 100 + outputs)
+    x = torch.randn(rows, inputs, generator=generator) * 3
+    x[0, 5] = 40.0  # an outlier sets its row's scale
+    weight = torch.randn(outputs, inputs, generator=generator) * 0.05
+    packed = native.pack_int8(weight)
+    assert packed.format == "int8" and packed.data.dtype == torch.int8 and packed.scale.shape == (outputs,)
+    assert (packed.unpack() - weight).abs().max() <= packed.scale.max() / 2 + 1e-7  # rounded to nearest code
+    assert packed.nbytes == outputs * inputs + 8 * outputs
+    if not native.int8_dot_available():
+        with pytest.raises(RuntimeError, match="8-bit dot products are unavailable"):
+            native.int8_dot_gemm(x, packed)
+        return
+    scale = x.abs().amax(dim=1, keepdim=True) / 127  # each row to 8-bit codes, its largest magnitude to 127
+    exact = (torch.round(x / scale).double() * scale.double()) @ packed.unpack().double().T
+    serial, parallel = native.int8_dot_gemm(x, packed), native.int8_dot_gemm(x, packed, parallel=True)
+    assert serial.shape == (rows, outputs) and torch.equal(serial, parallel)
+    assert (serial.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    for row in range(rows):  # integer sums: a row's result does not depend on the others
+        assert torch.equal(native.int8_dot_gemm(x[row : row + 1], packed)[0], serial[row])
+    relative = (serial - x @ weight.T).norm() / (x @ weight.T).norm()
+    assert 1e-4 < relative < 0.05  # an approximation of the float32 product, a close one
+
+
+@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above checks the refusal)")
+def test_int8_dot_products_refuse_what_they_cannot_compute():
+    with pytest.raises(ValueError, match="int8-packed weight with K a multiple of 64"):
+        native.int8_dot_gemm(torch.randn(2, 96), native.pack_int8(torch.randn(8, 96)))
+    with pytest.raises(ValueError, match="int8-packed weight"):
+        native.int8_dot_gemm(torch.randn(2, 64), native.pack_bfloat16(torch.randn(8, 64)))
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        native.int8_dot_gemm(torch.randn(2, 63), native.pack_int8(torch.randn(8, 64)))
+    zero = native.pack_int8(torch.zeros(4, 64))  # an all-zero row or input: scale 1, products 0
+    assert torch.equal(native.int8_dot_gemm(torch.zeros(2, 64), zero), torch.zeros(2, 4))
+
+
 @pytest.mark.parametrize("shape", [(1, 576), (9, 576), (3, 5, 64), (2, 7), (4, 33)])
 def test_the_native_rms_norm_is_torchs_within_float32_rounding(shape):
     generator = torch.Generator().manual_seed(sum(shape))

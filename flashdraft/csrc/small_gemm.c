@@ -13,6 +13,7 @@
  * Written with GCC's vector extensions, so one source compiles to AVX-512, AVX2 or NEON by -march=native.
  */
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -414,23 +415,29 @@ static inline vec exp_lanes(vec x) {
  * stores the vector for key t in d[REVERSED[t]]. */
 static const int REVERSED[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
-static inline vec sums_of_16(const vec *d) {
-    vec e[8], f[4], g[2];
-    for (int k = 0; k < 8; k++)
-        e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                       31);
-    for (int k = 0; k < 4; k++)
-        f[k] = __builtin_shufflevector(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-               __builtin_shufflevector(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
-                                       31);
-    for (int k = 0; k < 2; k++)
-        g[k] = __builtin_shufflevector(f[2 * k], f[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-               __builtin_shufflevector(f[2 * k], f[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
-                                       31);
-    return __builtin_shufflevector(g[0], g[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-           __builtin_shufflevector(g[0], g[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
+#define SUMS_OF_16(NAME, TYPE)                                                                                    \
+    static inline TYPE NAME(const TYPE *d) {                                                                      \
+        TYPE e[8], f[4], g[2];                                                                                    \
+        for (int k = 0; k < 8; k++)                                                                               \
+            e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, \
+                                           22, 23) +                                                              \
+                   __builtin_shufflevector(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,   \
+                                           28, 29, 30, 31);                                                       \
+        for (int k = 0; k < 4; k++)                                                                               \
+            f[k] = __builtin_shufflevector(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24,   \
+                                           25, 26, 27) +                                                          \
+                   __builtin_shufflevector(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, \
+                                           29, 30, 31);                                                           \
+        for (int k = 0; k < 2; k++)                                                                               \
+            g[k] = __builtin_shufflevector(f[2 * k], f[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,   \
+                                           13, 28, 29) +                                                          \
+                   __builtin_shufflevector(f[2 * k], f[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, \
+                                           15, 30, 31);                                                           \
+        return __builtin_shufflevector(g[0], g[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +   \
+               __builtin_shufflevector(g[0], g[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);    \
+    }
+SUMS_OF_16(sums_of_16, vec)
+SUMS_OF_16(int_sums_of_16, i32v)
 
 static const vec LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -560,3 +567,98 @@ void swiglu(const float *x, float *y, long M, long F) {
         for (; j < F; j++) out[j] = gate[j] / (1.0f + __builtin_expf(-gate[j])) * up[j];
     }
 }
+
+/* Products in 8-bit integers, for a draft (its proposals never change what is generated): w[N, K] held as int8
+ * with one float scale per row (`w_scale`, and `w_sum` the row's sum of codes), x quantized per row on the fly
+ * (its largest magnitude to 127, codes shifted by 128 into unsigned bytes), and 64 products a row summed into 16
+ * int32 lanes by AVX-512 VNNI's dot-product instruction: half the bytes of bfloat16 weights, which is what a
+ * draft's 8-row products are bound by. y = x_scale * w_scale * (sum (xq + 128) * wq - 128 * w_sum): exact integer
+ * sums, so a row's result does not depend on the others. K must be a multiple of 64. Only built where the compiler
+ * targets AVX512_VNNI; `int8_dot_available` says so. */
+#if defined(__AVX512VNNI__)
+int int8_dot_available(void) { return 1; }
+
+static void quantize_rows(const float *x, unsigned char *codes, float *scales, long M, long K) {
+    for (long m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float largest = 0.0f;
+        for (long k = 0; k < K; k++) {
+            const float magnitude = __builtin_fabsf(row[k]);
+            largest = magnitude > largest ? magnitude : largest;
+        }
+        const float scale = largest > 0.0f ? largest / 127.0f : 1.0f, inverse = 1.0f / scale;
+        for (long k = 0; k < K; k++) codes[m * K + k] = (unsigned char)(__builtin_lrintf(row[k] * inverse) + 128);
+        scales[m] = scale;
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_tile(const int MR, const int NR, const unsigned char *x,
+                                                           const signed char *w, long n, const float *x_scale,
+                                                           const float *w_scale, const int *w_sum, float *y, long N,
+                                                           long K) {
+    __m512i acc[TILE_ROWS][TILE_ROWS];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
+    for (long k = 0; k < K; k += 4 * LANES) {
+        __m512i wv[TILE_ROWS];
+        for (int j = 0; j < NR; j++) {
+            wv[j] = _mm512_loadu_si512((const void *)(w + (n + j) * K + k));
+            __builtin_prefetch(w + (n + j + TILE_ROWS) * K + k, 0, 0);
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(x + i * K + k));
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]);
+        }
+    }
+    if (MR == TILE_ROWS && NR == TILE_ROWS) { /* the 16 sums at once, lane i * 4 + j (the tree's order undone) */
+        i32v lanes[LANES];
+        for (int t = 0; t < LANES; t++) memcpy(&lanes[REVERSED[t]], &acc[t / TILE_ROWS][t % TILE_ROWS], sizeof(i32v));
+        const i32v sums = int_sums_of_16(lanes);
+        for (int i = 0; i < TILE_ROWS; i++)
+            for (int j = 0; j < TILE_ROWS; j++)
+                y[i * N + n + j] = x_scale[i] * w_scale[n + j] * (float)(sums[i * TILE_ROWS + j] - 128 * w_sum[n + j]);
+        return;
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            y[i * N + n + j] = x_scale[i] * w_scale[n + j] *
+                               (float)(_mm512_reduce_add_epi32(acc[i][j]) - 128 * w_sum[n + j]);
+}
+
+#define INT8_ROWS(NR)                                                                                               \
+    static void int8_rows_##NR(const unsigned char *x, const signed char *w, long n, const float *x_scale,        \
+                               const float *w_scale, const int *w_sum, float *y, long M, long N, long K) {         \
+        for (long m = 0; m < M; m += TILE_ROWS) {                                                                   \
+            const unsigned char *xm = x + m * K;                                                                    \
+            float *ym = y + m * N;                                                                                  \
+            const float *sm = x_scale + m;                                                                          \
+            switch (M - m < TILE_ROWS ? M - m : TILE_ROWS) {                                                        \
+            case 4: int8_tile(4, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
+            case 3: int8_tile(3, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
+            case 2: int8_tile(2, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
+            case 1: int8_tile(1, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+INT8_ROWS(4)
+INT8_ROWS(1)
+
+void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, const int *w_sum, float *y, long M,
+                   long N, long K, int parallel) {
+    unsigned char *codes = malloc((size_t)(M * K)); /* a prompt's context can be thousands of rows: not the stack */
+    float *x_scale = malloc(sizeof(float) * (size_t)M);
+    quantize_rows(x, codes, x_scale, M, K);
+    const long tiles = N / TILE_ROWS, chunks = parallel ? thread_chunks() : 1;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (long c = 0; c < chunks; c++)
+        for (long t = c * tiles / chunks; t < (c + 1) * tiles / chunks; t++)
+            int8_rows_4(codes, w, t * TILE_ROWS, x_scale, w_scale, w_sum, y, M, N, K);
+    for (long n = tiles * TILE_ROWS; n < N; n++) int8_rows_1(codes, w, n, x_scale, w_scale, w_sum, y, M, N, K);
+    free(codes);
+    free(x_scale);
+}
+#else
+int int8_dot_available(void) { return 0; }
+void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, const int *w_sum, float *y, long M,
+                   long N, long K, int parallel) {}
+#endif
