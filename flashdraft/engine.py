@@ -402,10 +402,15 @@ _DRAFT_KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o"
 # Attention on the native kernel (`native.causal_attention`) for steps of rows without padding of up to 4 tokens on
 # one thread, up to 16 on more (BENCHMARKS.md, "Native attention"): one query over 512 keys in 45 us on one thread
 # against torch's fused kernel's 75 on two; T(1) -9% after 200 cached tokens, -23% after 1,000. On one thread
-# torch's blocked products win from 8 queries on. Threads share the work from PARALLEL_KEY_READS key reads
-# (key/value heads x rows x keys) on. FLASHDRAFT_NATIVE_ATTENTION=0: torch's kernel always.
+# torch's blocked products win from 8 queries on. Threads share the work from PARALLEL_KEY_READS key reads on
+# (`attention_key_reads`). FLASHDRAFT_NATIVE_ATTENTION=0: torch's kernel always.
 NATIVE_ATTENTION_QUERIES = {"one thread": 4, "threads": 16}
 PARALLEL_KEY_READS = 1024
+
+
+def attention_key_reads(batch: int, n: int, heads: int, kv_heads: int, keys: int) -> int:
+    """The native attention's work: its tiles (up to 4 query heads of one key/value head) times the keys each reads."""
+    return batch * kv_heads * -(-n * (heads // kv_heads) // 4) * keys
 
 
 def native_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -528,7 +533,7 @@ class Engine:
         threads = torch.get_num_threads() > 1
         native_attention = (self.native_attention and start is not None and cache.padding is None
                             and n <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"])
-        parallel = threads and kv_heads * batch * end >= PARALLEL_KEY_READS
+        parallel = threads and attention_key_reads(batch, n, heads, kv_heads, end) >= PARALLEL_KEY_READS
         h = F.embedding(input_ids, self.embed).view(rows, -1)
         for index, layer in enumerate(self.layers):
             qkv = self._product("qkv", rms_norm(h, layer.input_norm, eps), layer.qkv)
@@ -715,9 +720,10 @@ class DraftEngine:
         cos, sin = self.rotary(int(position_ids.max()) + 1)
         cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [b, n, 1, hd]
         h = noise_embedding.reshape(batch * q_len, d)
-        native_attention = (self.native_attention and batch == 1 and attention_mask is None
-                            and isinstance(cache, DraftCache))
         threads = torch.get_num_threads() > 1
+        native_attention = (self.native_attention and batch == 1 and attention_mask is None
+                            and isinstance(cache, DraftCache)
+                            and q_len <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"])
         for index, layer in enumerate(self.layers):
             normed = rms_norm(h, layer.input_norm, eps).view(batch, q_len, d)
             window = torch.cat([context, normed], dim=1).view(batch * n, d)
@@ -732,7 +738,8 @@ class DraftEngine:
                 end = keys.shape[2]
                 attended = native.unchecked_causal_attention(
                     qk[0, width:, :heads], cache.keys[index], cache.values[index], end - q_len,
-                    parallel=threads and kv_heads * end >= PARALLEL_KEY_READS, causal=False)
+                    parallel=threads and attention_key_reads(1, q_len, heads, kv_heads, end) >= PARALLEL_KEY_READS,
+                    causal=False)
             else:
                 attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask,
                                                           enable_gqa=heads != kv_heads)  # [b, H, q, hd]
