@@ -310,6 +310,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
+def norm_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, norm: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+    """Heads x [..., G, D] RMS-normalized with one weight row per head (where `norm` [G, D] is given), then
+    rotated: `x * cos + x.roll(D // 2, -1) * signed_sin`, the tables [..., 1, D] per position (`RotaryTables`). One
+    native pass where there is one, else torch's operators; the same within float32 rounding."""
+    if native.available():
+        return native.norm_rotary(x, cos, signed_sin, norm, eps)
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up projection's output [..., 2F]: one native pass where there is one, else
     torch's three operators; the same within float32 rounding."""
@@ -540,11 +552,7 @@ class Engine:
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qkv = qkv.reshape(rows, heads + 2 * kv_heads, head_dim)
-            if layer.qk_norm is not None:
-                qk = rms_norm(qkv[:, : heads + kv_heads], layer.qk_norm, eps)
-            else:
-                qk = qkv[:, : heads + kv_heads]
-            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
+            qk = norm_rotary(qkv[:, : heads + kv_heads], cos, sin, layer.qk_norm, eps)  # queries and keys at once
             keys, values = cache.keys[index][:batch], cache.values[index][:batch]  # [b, K, capacity, hd]
             if start is None:  # by position: row r's token i goes to column position_ids[r, i]
                 rows_index = torch.arange(batch)[:, None]
@@ -728,8 +736,7 @@ class DraftEngine:
             normed = rms_norm(h, layer.input_norm, eps).view(batch, q_len, d)
             window = torch.cat([context, normed], dim=1).view(batch * n, d)
             qkv = self._product("qkv", window, layer.qkv).view(batch, n, heads + 2 * kv_heads, head_dim)
-            qk = rms_norm(qkv[:, :, : heads + kv_heads], layer.qk_norm, eps)  # q and k norms, one operator
-            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotary, queries and keys at once
+            qk = norm_rotary(qkv[:, :, : heads + kv_heads], cos, sin, layer.qk_norm, eps)  # q and k norms, rotary
             queries = qk[:, width:, :heads].transpose(1, 2)  # the block's queries only: [b, H, q, hd]
             keys, values = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)
             if cache is not None:

@@ -100,6 +100,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
                                 ctypes.c_long, ctypes.c_long, ctypes.c_float]
     loaded.rms_norm.restype = None
     loaded.swiglu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+    loaded.norm_rotary.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_float,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+    loaded.norm_rotary.restype = None
     loaded.swiglu.restype = None
     loaded.causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_float]
                                         + [ctypes.c_int] * 2)
@@ -397,6 +400,37 @@ def _position_stride(x: torch.Tensor, groups: int, width: int) -> int | None:
             return None
         expected *= size
     return step
+
+
+def norm_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, norm: torch.Tensor | None = None,
+                eps: float = 1e-6) -> torch.Tensor:
+    """Rotary position embedding of heads x [..., G, D] (a view of a q/k/v product's q and k heads may do: each
+    position's G rows contiguous, positions evenly spaced), after their RMSNorm with one weight row per head where
+    `norm` [G, D] is given: `x * cos + x.roll(D // 2, -1) * signed_sin` with cos and signed_sin [..., D] per
+    position (the sine's first half negated, as `engine.RotaryTables` holds it). One native pass where torch runs
+    three or four operators; torch's result within float32 rounding. Returns a contiguous tensor of x's shape."""
+    library = _build()[0]
+    if library is None:
+        raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
+    groups, width = x.shape[-2], x.shape[-1]
+    positions = x.numel() // (groups * width)
+    tables = (cos, signed_sin)
+    if (x.dim() < 2 or width % 2 or width > 256 or x.dtype != torch.float32 or x.device.type != "cpu"
+            or any(t.dtype != torch.float32 or t.numel() != positions * width for t in tables)
+            or (norm is not None and (norm.shape != (groups, width) or norm.dtype != torch.float32))):
+        raise ValueError(f"native norm_rotary takes float32 CPU heads [..., G, D] (D even, at most 256), tables of "
+                         f"[..., D] per position and a norm [G, D]; not {x.dtype} {tuple(x.shape)}, "
+                         f"{tuple(cos.shape)}, {None if norm is None else tuple(norm.shape)}")
+    stride = _position_stride(x, groups, width)
+    if stride is None:
+        x = x.contiguous()
+        stride = groups * width
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+    norm = norm.contiguous() if norm is not None else None
+    out = torch.empty(x.shape)
+    library.norm_rotary(x.data_ptr(), stride, norm.data_ptr() if norm is not None else None, groups, eps,
+                        cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), positions, width)
+    return out
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

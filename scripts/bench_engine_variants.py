@@ -4,6 +4,7 @@ two forms in alternating turns (40 each), least and median.
     python scripts/bench_engine_variants.py rms-norm      # the native RMSNorm against torch's F.rms_norm
     python scripts/bench_engine_variants.py attention --contexts 200 1000 --tokens 1 4 8 16
                                                           # native attention against torch's fused kernel
+    python scripts/bench_engine_variants.py rotary        # native norm + rotary against torch's operators
 
 Like the CLI, it chooses how torch's threads wait before torch loads. Pause background work first: it times.
 """
@@ -42,7 +43,19 @@ def attention_forms(engine) -> dict[str, Callable[[], None]]:
             "torch": lambda: setattr(engine, "native_attention", False)}
 
 
-VARIANTS = {"rms-norm": norm_forms, "attention": attention_forms}
+def rotary_forms(engine) -> dict[str, Callable[[], None]]:
+    native = engine_module.norm_rotary
+
+    def torch_rotary(x, cos, signed_sin, norm, eps):
+        if norm is not None:
+            x = F.rms_norm(x, x.shape[-1:], None, eps) * norm
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+    return {"native": lambda: setattr(engine_module, "norm_rotary", native),
+            "torch": lambda: setattr(engine_module, "norm_rotary", torch_rotary)}
+
+
+VARIANTS = {"rms-norm": norm_forms, "attention": attention_forms, "rotary": rotary_forms}
 
 
 def step(engine, cache, context: int, n: int) -> None:

@@ -372,6 +372,28 @@ def test_the_native_rms_norm_gives_each_head_its_own_weight(view):
 
 
 @requires_native
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("view", ["q and k heads of q/k/v", "contiguous"])
+def test_the_native_norm_rotary_is_torchs_within_float32_rounding(normed, view):
+    generator = torch.Generator().manual_seed(7)
+    qkv = torch.randn(2, 5, 12, 64, generator=generator) * 3  # [b, n, H + 2K, hd] with H = 6, K = 3
+    x = qkv[:, :, :9] if view != "contiguous" else qkv[:, :, :9].contiguous()
+    angles = torch.rand(2, 5, 1, 32, generator=generator) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    norm = torch.rand(9, 64, generator=generator) + 0.5 if normed else None
+    expected = F.rms_norm(x, (64,), None, 1e-6) * norm if normed else x
+    half = 32  # rotate_half: (-x2, x1)
+    expected = expected * cos + torch.cat([-expected[..., half:], expected[..., :half]], dim=-1) * angles.sin().repeat(
+        1, 1, 1, 2)
+    out = native.norm_rotary(x, cos, signed_sin, norm, 1e-6)
+    assert out.shape == x.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="norm_rotary takes"):
+        native.norm_rotary(x, cos[:, :4], signed_sin, norm, 1e-6)
+
+
+@requires_native
 @pytest.mark.parametrize("shape", [(1, 3072), (8, 3072), (3, 2, 40), (2, 6)])
 def test_the_native_swiglu_is_torchs_within_float32_rounding(shape):
     gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 6

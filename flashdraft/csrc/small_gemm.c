@@ -552,6 +552,28 @@ void causal_attention(const float *q, const float *k, const float *v, float *out
     }
 }
 
+/* Rotary position embedding of the q and k heads, with their RMSNorm first where the model has one (`w` [groups,
+ * D], or NULL): for M positions of `groups` rows of D floats (row g of position m at x + m * stride + g * D, as the
+ * q and k heads sit in a q/k/v product), v the row (normalized), y[m, g, d] = v[d] cos[m, d] + v[d +- D/2]
+ * sin[m, d], with the sine table's first half negated (rotate_half as a roll). One pass where torch runs three
+ * or four operators; torch's result within float32 rounding. D even, at most 256. */
+void norm_rotary(const float *x, long stride, const float *w, long groups, float eps, const float *cos,
+                 const float *sin, float *y, long M, long D) {
+    const long half = D / 2;
+    float normed[256];
+    for (long m = 0; m < M; m++)
+        for (long g = 0; g < groups; g++) {
+            const float *row = x + m * stride + g * D, *c = cos + m * D, *s = sin + m * D;
+            float *out = y + (m * groups + g) * D;
+            if (w != NULL) {
+                rms_norm(row, D, w + g * D, 1, normed, 1, D, eps);
+                row = normed;
+            }
+            for (long d = 0; d < half; d++) out[d] = row[d] * c[d] + row[d + half] * s[d];
+            for (long d = half; d < D; d++) out[d] = row[d] * c[d] + row[d - half] * s[d];
+        }
+}
+
 /* SwiGLU's product: y[m, j] = silu(g) * u with g = x[m, j], u = x[m, F + j] (a fused gate/up projection's output
  * [M, 2F]), silu(g) = g / (1 + e^-g). One pass where torch runs three operators (chunk, silu, mul); e^-g within
  * ~2 ulp of expf, so the result is torch's within float32 rounding. */
