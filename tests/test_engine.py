@@ -331,6 +331,7 @@ def test_the_draft_pass_on_the_engine_follows_training():
 
 @pytest.mark.parametrize("setting", ["default", "off"])
 def test_a_bfloat16_draft_computes_in_bfloat16_where_the_cpu_can(monkeypatch, setting):
+    monkeypatch.setenv("FLASHDRAFT_DRAFT_INT8", "0")  # bfloat16 arithmetic, not 8-bit (the test below)
     if setting == "off":
         monkeypatch.setenv("FLASHDRAFT_DRAFT_BF16", "0")
     model = tiny_target("qwen3")  # hidden 32, intermediate 64: every K a multiple of 32
@@ -353,10 +354,10 @@ def test_a_bfloat16_draft_computes_in_bfloat16_where_the_cpu_can(monkeypatch, se
         torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("setting", ["opted in", "default"])
-def test_a_bfloat16_draft_computes_in_8_bit_integers_when_asked(monkeypatch, setting):
-    if setting == "opted in":
-        monkeypatch.setenv("FLASHDRAFT_DRAFT_INT8", "1")
+@pytest.mark.parametrize("setting", ["default", "off"])
+def test_a_bfloat16_draft_computes_in_8_bit_integers_where_the_cpu_can(monkeypatch, setting):
+    if setting == "off":
+        monkeypatch.setenv("FLASHDRAFT_DRAFT_INT8", "0")
     model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)  # every K a multiple of 64
     target = TargetModel(model, engine="flashdraft")
     draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()  # as a shipped draft loads
@@ -368,7 +369,7 @@ def test_a_bfloat16_draft_computes_in_8_bit_integers_when_asked(monkeypatch, set
         expected_logits = head(expected[0])
     ours = fast(noise, features, positions)
     logits = fast.logits(ours[0], head)
-    int8 = native.int8_dot_available() and setting == "opted in"
+    int8 = native.int8_dot_available() and setting == "default"
     assert bool(fast.int8) == int8 and len(fast.int8) == (9 if int8 else 0)  # fc and 4 products in each layer
     error = (ours - expected).abs().max() / expected.abs().max()
     logits_error = (logits - expected_logits).abs().max() / expected_logits.abs().max()

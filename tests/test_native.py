@@ -250,15 +250,19 @@ def test_a_kernel_linear_never_reads_a_stale_packed_copy():
         assert layer._forms.packed is None
 
 
-def cpu_has_bf16_dot() -> bool:
+def cpu_has(flag: str) -> bool:
     try:
-        return "avx512_bf16" in open("/proc/cpuinfo").read().split()
+        return flag in open("/proc/cpuinfo").read().split()
     except OSError:
         return False
 
 
 def test_bfloat16_dot_products_are_offered_exactly_where_the_cpu_has_them():
-    assert native.bf16_dot_available() == (native.available() and cpu_has_bf16_dot())
+    assert native.bf16_dot_available() == (native.available() and cpu_has("avx512_bf16"))
+
+
+def test_int8_dot_products_are_offered_exactly_where_the_cpu_has_them():
+    assert native.int8_dot_available() == (native.available() and cpu_has("avx512_vnni"))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16])
