@@ -3,7 +3,8 @@ new context position after 200 cached, the whole block drafted) then a T(1) afte
 finds its weights evicted by the other as in decoding. Reports the least and the median of each and their ratio.
 
     python scripts/bench_draft_pass.py --turns 40
-    FLASHDRAFT_DRAFT_BF16=0 python scripts/bench_draft_pass.py     # the pass in float32 arithmetic
+    FLASHDRAFT_DRAFT_INT8=0 python scripts/bench_draft_pass.py     # the pass in bfloat16 arithmetic, not 8-bit
+    FLASHDRAFT_DRAFT_INT8=0 FLASHDRAFT_DRAFT_BF16=0 python scripts/bench_draft_pass.py     # in float32
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_draft_pass.py     # threads that sleep at once
     python scripts/bench_draft_pass.py --warm                      # also passes back to back (weights in cache)
 
@@ -70,7 +71,9 @@ def main() -> None:
             work()
             times[name].append(time.perf_counter() - began)
     waiting = ", ".join(f"{name}={os.environ[name]}" for name in WAITING_VARIABLES if name in os.environ)
-    arithmetic = "bfloat16" if getattr(proposer.forward, "bf16_dot", False) else "float32"
+    forward = proposer.forward
+    arithmetic = ("8-bit integer" if getattr(forward, "int8", None) else
+                  "bfloat16" if getattr(forward, "bf16_dot", False) else "float32")
     print(f"{args.target}, draft {args.draft or 'shipped'} (block {block}, {arithmetic} arithmetic, "
           f"{'engine' if proposer.on_engine else 'module'} pass), {torch.get_num_threads()} threads, {waiting}")
     least = {name: min(spent) for name, spent in times.items()}
