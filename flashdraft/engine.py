@@ -315,7 +315,7 @@ def norm_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, no
     """Heads x [..., G, D] RMS-normalized with one weight row per head (where `norm` [G, D] is given), then
     rotated: `x * cos + x.roll(D // 2, -1) * signed_sin`, the tables [..., 1, D] per position (`RotaryTables`). One
     native pass where there is one, else torch's operators; the same within float32 rounding."""
-    if native.available():
+    if native.available() and x.shape[-1] <= 256:  # the native pass holds a normalized head on its stack
         return native.norm_rotary(x, cos, signed_sin, norm, eps)
     if norm is not None:
         x = rms_norm(x, norm, eps)
