@@ -6,7 +6,7 @@ framework overhead, and MKL's matrix products for 2 to 16 rows (exactly a verifi
 So the engine
 - runs each layer as a handful of operators: fused q/k/v and gate/up projections (the model's own weights become
   views of the fused ones, so nothing is stored twice), one rotary pass over queries and keys together, grouped
-  query attention without copies;
+  query attention without copies (a decoding step's on the native kernel), RMSNorm and SwiGLU in one native pass;
 - keeps the KV cache in preallocated tensors where rolling back a rejected block is a length (`EngineCache`);
 - computes every projection through the kernel measured fastest for its weight and number of rows on this
   machine (`KernelChoice`: torch's `F.linear`, the same product transposed, numpy's BLAS, or flashdraft's own
@@ -20,8 +20,8 @@ Every path is exact up to float32 rounding: logits match transformers' within fl
 are the same (tests/test_engine.py).
 
 A DFlash draft's pass runs here too (`DraftEngine`), in the same form on the same kernels; a bfloat16 draft's
-products in bfloat16 arithmetic where the CPU has it (proposals never change the output, only how much of it a
-round accepts).
+products in 8-bit integers (AVX512_VNNI) or bfloat16 arithmetic (AVX512_BF16) where the CPU has them (proposals
+never change the output, only how much of it a round accepts).
 """
 
 from __future__ import annotations
@@ -621,8 +621,9 @@ class DraftEngine:
     the module's arithmetic in the target engine's form (BENCHMARKS.md, "How threads wait, and the draft pass on
     the engine"): q/k/v
     computed for the whole window [context ; block] in one product (the queries of the context rows come for free
-    with a kernel that reads each weight once, and are dropped), gate/up in one, every norm one operator, rotary
-    from a table, attention through torch's fused kernel. The fused weights are copies, made again whenever the
+    with a kernel that reads each weight once, and are dropped), gate/up in one, every norm one operator, q/k
+    norms and rotary in one native pass, the block's attention on the native kernel where it fits (else torch's
+    fused kernel). The fused weights are copies, made again whenever the
     draft's parameters move or change in place, so a draft in training keeps its own parameters and its optimizer's
     hold on them. Use `for_draft`, which says None where the module's own forward must run."""
 
