@@ -33,18 +33,36 @@ def file_sha256(path: Path) -> str:
 # this many cores busy is marked so, and measured again by a later start that finds the machine at rest.
 BUSY_CORES = 0.5
 _BUSY_MARK = "measured_while_busy"
+# Work at this niceness or more yields to ours (a nice-10 process gets a tenth of a core beside a nice-0 one) and is
+# not load; below it, it competes almost as an equal (at nice 2 it keeps ~3/4 of its share) and counts.
+YIELDING_NICE = 10
 
 
 def other_processes_cpu(seconds: float = 0.2) -> float:
-    """How many cores other processes at normal priority kept busy over the next `seconds`: Linux's /proc/stat less
-    this process's own time (niced work yields to ours and is not counted); 0.0 where /proc cannot be read."""
+    """How many cores other processes that compete with this one kept busy over the next `seconds`: the CPU time of
+    every other process below YIELDING_NICE (Linux's /proc/PID/stat); 0.0 where /proc cannot be read."""
     try:
-        busy, own = _busy_ticks(), _own_ticks()
+        before = _competing_ticks()
         time.sleep(seconds)
-        busy, own = _busy_ticks() - busy, _own_ticks() - own
+        after = _competing_ticks()
     except (OSError, ValueError, IndexError):
         return 0.0
-    return max(busy - own, 0) / os.sysconf("SC_CLK_TCK") / seconds
+    busy = sum(max(ticks - before.get(pid, 0), 0) for pid, ticks in after.items())
+    return busy / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def _competing_ticks() -> dict[int, int]:
+    """The CPU ticks so far (its threads together) of each other process whose niceness is below YIELDING_NICE."""
+    own, ticks = os.getpid(), {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        pid = int(stat.parent.name)
+        if pid != own and int(fields[16]) < YIELDING_NICE:  # after the name: state is 0, utime 11, stime 12, nice 16
+            ticks[pid] = int(fields[11]) + int(fields[12])
+    return ticks
 
 
 # How long torch's OpenMP threads spin before they sleep when `choose_thread_waiting` lets them: longer than the gaps
@@ -58,26 +76,16 @@ WAITING_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 def choose_thread_waiting(seconds: float = 0.1) -> dict[str, str]:
     """Decide how torch's OpenMP threads wait between parallel regions, for a process about to load torch (libgomp
     reads it once, when it loads), and set it in `os.environ`; a choice already made there is kept. Where no other
-    process at normal priority computes, they spin a while (`SPINNING`): a sleeping thread takes ~50 us to wake
-    on this VM and a one-token step has ~120 parallel products, so spinning makes the step 1.6x faster here. Where
-    one does, they sleep at once (OMP_WAIT_POLICY=PASSIVE): a thread that spins while the core it waits for runs
-    someone else's work stalls the whole step (1.3x slower with one busy process beside it, 15x with libgomp's
-    default spin). BENCHMARKS.md, "How threads wait". Returns the variables it set (none when the choice was made)."""
+    process that does not yield (`YIELDING_NICE`) computes, they spin a while (`SPINNING`): a sleeping thread takes
+    ~50 us to wake on this VM and a one-token step has ~120 parallel products, so spinning makes the step 1.6x faster
+    here. Where one does, they sleep at once (OMP_WAIT_POLICY=PASSIVE): a thread that spins while the core it waits
+    for runs someone else's work stalls the whole step (1.3x slower with one busy process beside it, 15x with
+    libgomp's default spin). BENCHMARKS.md, "How threads wait". Returns the variables it set (none when the choice was made)."""
     if any(name in os.environ for name in WAITING_VARIABLES):
         return {}
     chosen = {"OMP_WAIT_POLICY": "PASSIVE"} if other_processes_cpu(seconds) >= BUSY_CORES else dict(SPINNING)
     os.environ.update(chosen)
     return chosen
-
-
-def _busy_ticks() -> int:
-    user, _nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
-    return user + system + irq + softirq + steal
-
-
-def _own_ticks() -> int:
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime: the process's threads together
 
 
 def cached_measurement(path: Path) -> dict | None:

@@ -130,17 +130,19 @@ def test_measurements_are_marked_only_when_taken_busy(tmp_path, monkeypatch):
     assert files.cached_measurement(tmp_path / "b.json") is None
 
 
-def test_another_process_at_work_counts_as_busy_and_this_one_does_not():
+@pytest.mark.parametrize("niceness, counts", [(0, True), (2, True), (19, False)])
+def test_another_process_at_work_counts_as_busy_unless_it_yields(niceness, counts):
     import subprocess
     import sys
 
     from flashdraft.files import other_processes_cpu
 
-    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    spin = f"import os, time\nos.nice({niceness})\nend = time.time() + 3\nwhile time.time() < end: pass"
     spinner = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)  # the child is spinning
-        assert other_processes_cpu(0.5) >= 0.5
+        busy = other_processes_cpu(0.5)
+        assert busy >= 0.5 if counts else busy < 0.5
     finally:
         spinner.kill()
         spinner.wait()
