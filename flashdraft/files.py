@@ -80,7 +80,8 @@ def choose_thread_waiting(seconds: float = 0.1) -> dict[str, str]:
     ~50 us to wake on this VM and a one-token step has ~120 parallel products, so spinning makes the step 1.6x faster
     here. Where one does, they sleep at once (OMP_WAIT_POLICY=PASSIVE): a thread that spins while the core it waits
     for runs someone else's work stalls the whole step (1.3x slower with one busy process beside it, 15x with
-    libgomp's default spin). BENCHMARKS.md, "How threads wait". Returns the variables it set (none when the choice was made)."""
+    libgomp's default spin). BENCHMARKS.md, "How threads wait". Returns the variables it set (none when the choice
+    was made)."""
     if any(name in os.environ for name in WAITING_VARIABLES):
         return {}
     chosen = {"OMP_WAIT_POLICY": "PASSIVE"} if other_processes_cpu(seconds) >= BUSY_CORES else dict(SPINNING)
