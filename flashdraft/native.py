@@ -306,12 +306,7 @@ def bf16_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
     if not bf16_dot_available():
         raise RuntimeError("bfloat16 dot products are unavailable here: the native kernel was not built for a CPU "
                            f"with AVX512_BF16 ({unavailable_reason() or 'this CPU lacks it'})")
-    if weight.format != "bf16" or weight.shape[1] % BLOCK:
-        raise ValueError(f"bf16_dot_gemm takes a bf16-packed weight with K a multiple of {BLOCK}, not "
-                         f"{weight.format} {weight.shape}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"bf16_dot_gemm multiplies float32 [M, {weight.shape[1]}] on CPU by the packed weight, "
-                         f"not {x.dtype} {tuple(x.shape)} on {x.device}")
+    _check_dot_inputs("bf16_dot_gemm", x, weight, "bf16", BLOCK)
     rounded = x.to(torch.bfloat16).contiguous()
     out = torch.empty(x.shape[0], weight.shape[0])
     library = _build()[0]
@@ -321,6 +316,16 @@ def bf16_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
 
 
 INT8_K_MULTIPLE = 64  # the int8 kernel reads 64 codes of a row at a time
+
+
+def _check_dot_inputs(name: str, x: torch.Tensor, weight: PackedWeight, form: str, k_multiple: int) -> None:
+    """A draft product's inputs: a `form`-packed weight with K a multiple of `k_multiple`, x float32 [M, K] on CPU."""
+    if weight.format != form or weight.shape[1] % k_multiple:
+        raise ValueError(f"{name} takes a {form}-packed weight with K a multiple of {k_multiple}, not "
+                         f"{weight.format} {weight.shape}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name} multiplies float32 [M, {weight.shape[1]}] on CPU by the packed weight, "
+                         f"not {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
 def int8_dot_available() -> bool:
@@ -348,12 +353,7 @@ def int8_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
     if not int8_dot_available():
         raise RuntimeError("8-bit dot products are unavailable here: the native kernel was not built for a CPU "
                            f"with AVX512_VNNI ({unavailable_reason() or 'this CPU lacks it'})")
-    if weight.format != "int8" or weight.shape[1] % INT8_K_MULTIPLE:
-        raise ValueError(f"int8_dot_gemm takes an int8-packed weight with K a multiple of {INT8_K_MULTIPLE}, not "
-                         f"{weight.format} {weight.shape}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"int8_dot_gemm multiplies float32 [M, {weight.shape[1]}] on CPU by the packed weight, "
-                         f"not {x.dtype} {tuple(x.shape)} on {x.device}")
+    _check_dot_inputs("int8_dot_gemm", x, weight, "int8", INT8_K_MULTIPLE)
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0])
     _build()[0].int8_dot_gemm(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(),

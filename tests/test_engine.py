@@ -238,6 +238,22 @@ def draft_inputs(draft, width: int, block: int, start: int, seed: int):
     return noise, features, torch.arange(start - width, start + block)[None]
 
 
+def rounds_match_the_module(draft, fast, block: int, widths: tuple[int, ...]):
+    """Passes of `fast` and of the draft module over a prompt's context, then rounds of `widths[1:]` accepted
+    positions, each in its own cache: the block's hidden states equal. Returns both caches and the context length."""
+    ours, theirs = DraftCache(draft.config, 64), DraftCache(draft.config, 64)
+    start = 0
+    for seed, width in enumerate(widths, start=1):
+        noise, features, positions = draft_inputs(draft, width, block, start + width, seed)
+        with torch.no_grad():
+            expected = draft(noise, features, positions, theirs)
+        torch.testing.assert_close(fast(noise, features, positions, ours), expected, rtol=1e-5, atol=1e-5)
+        ours.crop(-block)
+        theirs.crop(-block)
+        start += width
+    return ours, theirs, start
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kernel", list(available_products()))
 def test_the_draft_pass_on_the_engine_equals_the_modules(arch, kernel):
@@ -246,16 +262,7 @@ def test_the_draft_pass_on_the_engine_equals_the_modules(arch, kernel):
     target.engine.kernels = uniform(kernel)
     draft = shaken_draft(model, block_size=4)
     fast = DraftEngine.for_draft(draft, target.engine)
-    ours, theirs = DraftCache(draft.config, 64), DraftCache(draft.config, 64)
-    start = 0
-    for width, seed in ((9, 1), (1, 2), (3, 3)):  # a prompt's context, then rounds of 1 and 3 accepted positions
-        noise, features, positions = draft_inputs(draft, width, 4, start + width, seed)
-        with torch.no_grad():
-            expected = draft(noise, features, positions, theirs)
-        torch.testing.assert_close(fast(noise, features, positions, ours), expected, rtol=1e-5, atol=1e-5)
-        ours.crop(-4)
-        theirs.crop(-4)
-        start += width
+    ours, theirs, start = rounds_match_the_module(draft, fast, block=4, widths=(9, 1, 3))
     torch.testing.assert_close(ours.keys[1][:, :, :start], theirs.keys[1][:, :, :start], rtol=1e-5, atol=1e-5)
 
 
@@ -268,16 +275,7 @@ def test_the_draft_pass_with_native_attention_equals_the_modules(monkeypatch, se
     draft = shaken_draft(model, block_size=8)
     fast = DraftEngine.for_draft(draft, target.engine)
     assert fast.native_attention == (native.available() and setting == "default")
-    ours, theirs = DraftCache(draft.config, 64), DraftCache(draft.config, 64)
-    start = 0
-    for width, seed in ((20, 1), (1, 2), (5, 3)):  # a prompt's context, then rounds of 1 and 5 accepted positions
-        noise, features, positions = draft_inputs(draft, width, 8, start + width, seed)
-        with torch.no_grad():
-            expected = draft(noise, features, positions, theirs)
-        torch.testing.assert_close(fast(noise, features, positions, ours), expected, rtol=1e-5, atol=1e-5)
-        ours.crop(-8)
-        theirs.crop(-8)
-        start += width
+    rounds_match_the_module(draft, fast, block=8, widths=(20, 1, 5))
 
 
 def test_the_draft_pass_on_the_engine_drafts_rows_of_different_lengths():
