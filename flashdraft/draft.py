@@ -151,14 +151,25 @@ class DraftCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append key/value [b, hk, n, dh] to layer `layer_idx`; return that layer's keys/values so far."""
-        end = self.length + key.shape[-2]
-        if end > self.max_length:
-            raise ValueError(f"draft cache holds {self.max_length} positions, {end} were asked for")
+        end = self._room(key.shape[-2])
         self.keys[layer_idx][:, :, self.length : end] = key
         self.values[layer_idx][:, :, self.length : end] = value
         if layer_idx == len(self.keys) - 1:
             self.length = end
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def claim(self, count: int) -> int:
+        """Extend every layer by `count` positions at once, for a pass that writes their keys and values in place
+        (the CPU engine's native draft layers); returns the first."""
+        start = self.length
+        self.length = self._room(count)
+        return start
+
+    def _room(self, count: int) -> int:
+        end = self.length + count
+        if end > self.max_length:
+            raise ValueError(f"draft cache holds {self.max_length} positions, {end} were asked for")
+        return end
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

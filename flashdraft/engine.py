@@ -646,6 +646,7 @@ class DraftEngine:
         # (BENCHMARKS.md, "8-bit draft products"). FLASHDRAFT_DRAFT_INT8=0: bfloat16 arithmetic.
         self.int8_dot = native.int8_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_INT8", "1") != "0"
         self._head: tuple | None = None  # (made from, packed head) for `logits`
+        self.use_native_layers = True  # False: the layer step by step, for comparisons
 
     @classmethod
     def for_draft(cls, draft: nn.Module, engine: Engine | None) -> DraftEngine | None:
@@ -675,6 +676,14 @@ class DraftEngine:
         self.bfloat16_weights = all(getattr(f.packed, "format", None) == "bf16" for f in self.forms.values())
         self.int8 = ({id(w): native.pack_int8(w) for w in weights if not w.shape[1] % native.INT8_K_MULTIPLE}
                      if self.int8_dot and self.bfloat16_weights else {})
+        self.native_layers = None  # each layer one native call, where all its products are 8-bit
+        if self.native_attention and all(id(w) in self.int8 and layer.qkv_bias is None for layer in self.layers
+                                         for w in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            self.native_layers = [
+                native.pack_draft_layer(layer.input_norm, layer.post_norm, layer.qk_norm, *(
+                    self.int8[id(w)] for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                    self.num_heads, self.kv_heads, self.head_dim)
+                for layer in self.layers]
         self._made_from = [(p.data_ptr(), p._version) for p in self.parameters]  # after `_aligned`'s moves
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -730,6 +739,9 @@ class DraftEngine:
         cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [b, n, 1, hd]
         h = noise_embedding.reshape(batch * q_len, d)
         threads = torch.get_num_threads() > 1
+        if (self.native_layers is not None and self.use_native_layers and batch == 1 and attention_mask is None
+                and isinstance(cache, DraftCache)):
+            return self._native_layers(h, context[0], cos[0, :, 0], sin[0, :, 0], cache, threads)
         native_attention = (self.native_attention and batch == 1 and attention_mask is None
                             and isinstance(cache, DraftCache)
                             and q_len <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"])
@@ -756,6 +768,24 @@ class DraftEngine:
             gate_up = self._product("gate_up", rms_norm(h, layer.post_norm, eps), layer.gate_up)
             h = h + self._product("down", swiglu(gate_up), layer.down)
         return rms_norm(h, self.norm, eps).view(batch, q_len, d)
+
+    def _native_layers(self, h, context, cos, sin, cache: DraftCache, threads: bool) -> torch.Tensor:
+        """`_forward` for one sequence whose layers are each one native call (`native.draft_layer_int8`): the
+        same kernels in the same order, without the ~30 operators' overhead a layer costs in Python (half the
+        pass; BENCHMARKS.md, "The draft pass in one native call a layer")."""
+        block, width = h.shape[0], context.shape[0]
+        h = h.clone(memory_format=torch.contiguous_format)  # updated in place
+        start = cache.claim(width + block)
+        product = self.engine.kernels.product
+        parallel = sum(bit for bit, kind, rows in ((1, "qkv", width + block), (2, "o", block), (4, "gate_up", block),
+                                                    (8, "down", block)) if product(kind, rows) is _native_parallel)
+        if threads and attention_key_reads(1, block, self.num_heads, self.kv_heads, start + width + block) >= \
+                PARALLEL_KEY_READS:
+            parallel |= 16
+        for index, layer in enumerate(self.native_layers):
+            native.draft_layer_int8(layer, cache.keys[index][0], cache.values[index][0], h, context, cos, sin, start,
+                                    self.eps, parallel)
+        return rms_norm(h, self.norm, self.eps).view(1, block, -1)
 
 
 def _concatenated(linears: Sequence[nn.Linear]) -> torch.Tensor:

@@ -7,6 +7,7 @@ finds its weights evicted by the other as in decoding. Reports the least and the
     FLASHDRAFT_DRAFT_INT8=0 FLASHDRAFT_DRAFT_BF16=0 python scripts/bench_draft_pass.py     # in float32
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_draft_pass.py     # threads that sleep at once
     python scripts/bench_draft_pass.py --warm                      # also passes back to back (weights in cache)
+    python scripts/bench_draft_pass.py --step-by-step              # an 8-bit draft's layers operator by operator
 
 Like the CLI, it chooses how torch's threads wait before torch loads (`choose_thread_waiting`) and prints the
 choice. Pause background work first: it times.
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="cached positions before the round")
     parser.add_argument("--turns", type=int, default=40, help="timed turns (after 5 warm-ups)")
     parser.add_argument("--warm", action="store_true", help="also time passes back to back, weights in cache")
+    parser.add_argument("--step-by-step", action="store_true",
+                        help="run an 8-bit draft's layers operator by operator, not one native call each")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -45,6 +48,8 @@ def main() -> None:
         raise SystemExit(f"{args.target} does not run on the CPU engine")
     draft = load_draft(args.draft)
     proposer = DFlashProposer(draft, target)
+    if args.step_by_step and proposer.on_engine:
+        proposer.forward.use_native_layers = False
     context, block = args.context, draft.block_size
     features = torch.randn(1, context + 1, len(draft.target_layer_ids) * target.hidden_size)
     anchor = torch.tensor([5])
@@ -72,10 +77,13 @@ def main() -> None:
             times[name].append(time.perf_counter() - began)
     waiting = ", ".join(f"{name}={os.environ[name]}" for name in WAITING_VARIABLES if name in os.environ)
     forward = proposer.forward
+    layers = ("one native call a layer" if proposer.on_engine and forward.native_layers and forward.use_native_layers
+              else "layers operator by operator")
     arithmetic = ("8-bit integer" if getattr(forward, "int8", None) else
                   "bfloat16" if getattr(forward, "bf16_dot", False) else "float32")
     print(f"{args.target}, draft {args.draft or 'shipped'} (block {block}, {arithmetic} arithmetic, "
-          f"{'engine' if proposer.on_engine else 'module'} pass), {torch.get_num_threads()} threads, {waiting}")
+          f"{'engine' if proposer.on_engine else 'module'} pass, {layers}), {torch.get_num_threads()} threads, "
+          f"{waiting}")
     least = {name: min(spent) for name, spent in times.items()}
     median = {name: statistics.median(spent) for name, spent in times.items()}
     for name in times:

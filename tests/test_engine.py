@@ -380,6 +380,35 @@ def test_a_bfloat16_draft_computes_in_8_bit_integers_where_the_cpu_can(monkeypat
     assert training.int8 == {}  # a draft in training keeps its own arithmetic
 
 
+@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above covers its absence)")
+def test_an_8_bit_draft_runs_each_layer_in_one_native_call_with_the_same_result():
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)  # head_dim 64, every K a multiple of 64
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()  # as a shipped draft loads
+    fast = DraftEngine.for_draft(draft, target.engine)
+    caches = {True: DraftCache(draft.config, 64), False: DraftCache(draft.config, 64)}
+    start = 0
+    for seed, width in enumerate((9, 1, 3), start=1):  # a prompt's context, then rounds of accepted positions
+        noise, features, positions = draft_inputs(draft, width, 4, start + width, seed)
+        outputs = {}
+        for native_layers, cache in caches.items():
+            fast.use_native_layers = native_layers
+            outputs[native_layers] = fast(noise, features, positions, cache)
+            assert cache.length == start + width + 4  # the window's keys and values appended
+            cache.crop(-4)
+        assert torch.equal(outputs[True], outputs[False])  # the same kernels in the same order
+        start += width
+    assert len(fast.native_layers) == 2
+    for layer in range(2):  # the context's keys and values are the step-by-step pass's, bit for bit
+        assert torch.equal(caches[True].keys[layer][:, :, :start], caches[False].keys[layer][:, :, :start])
+        assert torch.equal(caches[True].values[layer][:, :, :start], caches[False].values[layer][:, :, :start])
+    full = DraftCache(draft.config, 64)
+    full.claim(62)  # no room for the last round's 3 + 4 positions: refused before anything is written
+    with pytest.raises(ValueError, match="draft cache holds 64 positions, 69 were asked for"):
+        fast(noise, features, positions, full)
+    assert full.length == 62
+
+
 def test_speculative_decoding_with_a_bfloat16_draft_pass_stays_exact():
     model = tiny_target("qwen3")
     draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()
