@@ -109,6 +109,10 @@ PRODUCTS: dict[str, ProductFn] = {
 }
 
 
+NATIVE_PRODUCTS = (_native, _native_parallel)  # what a layer in one native call (`native.decoder_layer`) runs
+LAYER_KINDS = ("qkv", "o", "gate_up", "down")
+
+
 def available_products() -> dict[str, ProductFn]:
     """The products this machine offers: the native kernel only where it compiles (`native.unavailable_reason`)."""
     return {name: product for name, product in PRODUCTS.items()
@@ -299,6 +303,18 @@ def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch
     )
 
 
+def _layer_products(layer: _Layer) -> tuple[torch.Tensor, ...]:
+    return layer.qkv, layer.o, layer.gate_up, layer.down
+
+
+def _parallel_bits(kernels: KernelChoice, window: int, rows: int, attention: bool) -> int:
+    """`native.decoder_layer`'s `parallel`: which of a layer's products (q/k/v over the `window`, the rest over
+    `rows`) the kernel table shares among threads, and the attention where `attention`."""
+    shapes = ((1, "qkv", window), (2, "o", rows), (4, "gate_up", rows), (8, "down", rows))
+    return sum(bit for bit, kind, count in shapes if kernels.product(kind, count) is _native_parallel) | (
+        16 if attention else 0)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, with a weight [D] or one per head [G, D] for x [..., G, D]: on the native
     kernel where there is one (a few microseconds a call against torch's 10-30: a one-token step of the default
@@ -453,6 +469,15 @@ class Engine:
         self.forms = {id(w): WeightForms.of(w) for w in self._weights()}
         self.kernels = KernelChoice({})
         self.native_attention = native_attention_fits(self.num_heads, self.kv_heads, self.head_dim)
+        # Each layer one native call for the few rows of a decoding step, where every product runs on the native
+        # kernel: ~30 operators' overhead a layer saved (BENCHMARKS.md, "A whole layer in one native call").
+        self.native_layers = None
+        if native.available() and self.native_attention:
+            self.native_layers = [native.pack_layer(
+                layer.input_norm, layer.post_norm, layer.qk_norm, layer.qkv_bias,
+                *(w if self.forms[id(w)].packed is None else self.forms[id(w)].packed for w in _layer_products(layer)),
+                self.num_heads, self.kv_heads, self.head_dim) for layer in self.layers]
+        self.use_native_layers = True  # False: each layer operator by operator, for comparisons
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this engine still runs on `model`'s weights (not so after e.g. `model.to(dtype)`)."""
@@ -547,7 +572,16 @@ class Engine:
                             and n <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"])
         parallel = threads and attention_key_reads(batch, n, heads, kv_heads, end) >= PARALLEL_KEY_READS
         h = F.embedding(input_ids, self.embed).view(rows, -1)
-        for index, layer in enumerate(self.layers):
+        native_layers = (native_attention and batch == 1 and self.native_layers is not None and self.use_native_layers
+                         and all(self.kernels.product(kind, rows) in NATIVE_PRODUCTS for kind in LAYER_KINDS))
+        if native_layers:  # each layer one native call
+            bits = _parallel_bits(self.kernels, rows, rows, parallel)
+            for index, layer in enumerate(self.native_layers):
+                native.decoder_layer(layer, cache.keys[index][0], cache.values[index][0], h, None,
+                                     cos.view(rows, head_dim), sin.view(rows, head_dim), start, eps, parallel=bits)
+                if index in wanted:
+                    collected.append(h.clone())  # h changes in place
+        for index, layer in enumerate(() if native_layers else self.layers):  # else operator by operator
             qkv = self._product("qkv", rms_norm(h, layer.input_norm, eps), layer.qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -677,13 +711,10 @@ class DraftEngine:
         self.int8 = ({id(w): native.pack_int8(w) for w in weights if not w.shape[1] % native.INT8_K_MULTIPLE}
                      if self.int8_dot and self.bfloat16_weights else {})
         self.native_layers = None  # each layer one native call, where all its products are 8-bit
-        if self.native_attention and all(id(w) in self.int8 and layer.qkv_bias is None for layer in self.layers
-                                         for w in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            self.native_layers = [
-                native.pack_draft_layer(layer.input_norm, layer.post_norm, layer.qk_norm, *(
-                    self.int8[id(w)] for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                    self.num_heads, self.kv_heads, self.head_dim)
-                for layer in self.layers]
+        if self.native_attention and all(id(w) in self.int8 for layer in self.layers for w in _layer_products(layer)):
+            self.native_layers = [native.pack_layer(layer.input_norm, layer.post_norm, layer.qk_norm, layer.qkv_bias,
+                                                    *(self.int8[id(w)] for w in _layer_products(layer)), self.num_heads,
+                                                    self.kv_heads, self.head_dim) for layer in self.layers]
         self._made_from = [(p.data_ptr(), p._version) for p in self.parameters]  # after `_aligned`'s moves
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -770,21 +801,17 @@ class DraftEngine:
         return rms_norm(h, self.norm, eps).view(batch, q_len, d)
 
     def _native_layers(self, h, context, cos, sin, cache: DraftCache, threads: bool) -> torch.Tensor:
-        """`_forward` for one sequence whose layers are each one native call (`native.draft_layer_int8`): the
+        """`_forward` for one sequence whose layers are each one native call (`native.decoder_layer`): the
         same kernels in the same order, without the ~30 operators' overhead a layer costs in Python (half the
         pass; BENCHMARKS.md, "The draft pass in one native call a layer")."""
         block, width = h.shape[0], context.shape[0]
         h = h.clone(memory_format=torch.contiguous_format)  # updated in place
         start = cache.claim(width + block)
-        product = self.engine.kernels.product
-        parallel = sum(bit for bit, kind, rows in ((1, "qkv", width + block), (2, "o", block), (4, "gate_up", block),
-                                                    (8, "down", block)) if product(kind, rows) is _native_parallel)
-        if threads and attention_key_reads(1, block, self.num_heads, self.kv_heads, start + width + block) >= \
-                PARALLEL_KEY_READS:
-            parallel |= 16
+        parallel = _parallel_bits(self.engine.kernels, width + block, block, threads and attention_key_reads(
+            1, block, self.num_heads, self.kv_heads, start + width + block) >= PARALLEL_KEY_READS)
         for index, layer in enumerate(self.native_layers):
-            native.draft_layer_int8(layer, cache.keys[index][0], cache.values[index][0], h, context, cos, sin, start,
-                                    self.eps, parallel)
+            native.decoder_layer(layer, cache.keys[index][0], cache.values[index][0], h, context, cos, sin, start,
+                                 self.eps, causal=False, parallel=parallel)
         return rms_norm(h, self.norm, self.eps).view(1, block, -1)
 
 

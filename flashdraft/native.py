@@ -107,9 +107,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     loaded.causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_float]
                                         + [ctypes.c_int] * 2)
     loaded.causal_attention.restype = None
-    loaded.draft_layer_int8.argtypes = ([ctypes.POINTER(_DraftLayer)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
-                                        + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int])
-    loaded.draft_layer_int8.restype = None
+    loaded.decoder_layer.argtypes = ([ctypes.POINTER(_DecoderLayer)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
+                                     + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_float]
+                                     + [ctypes.c_int] * 2)
+    loaded.decoder_layer.restype = None
     return loaded, None, identity
 
 
@@ -365,22 +366,26 @@ def int8_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
     return out
 
 
-class _Int8Matrix(ctypes.Structure):
-    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("sums", ctypes.c_void_p),
-                ("rows", ctypes.c_long)]
+class _LayerWeight(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int), ("data", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("extra", ctypes.c_void_p), ("rows", ctypes.c_long)]
 
 
-class _DraftLayer(ctypes.Structure):
+class _DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qk_norm", ctypes.c_void_p),
-                ("qkv", _Int8Matrix), ("o", _Int8Matrix), ("gate_up", _Int8Matrix), ("down", _Int8Matrix)]
+                ("qkv_bias", ctypes.c_void_p), ("qkv", _LayerWeight), ("o", _LayerWeight),
+                ("gate_up", _LayerWeight), ("down", _LayerWeight)]
+
+
+LAYER_FORMATS = {"float32": 0, **FORMATS, "int8": 4}  # a product's weight in `decoder_layer` (csrc: layer_weight)
 
 
 @dataclass
-class DraftLayerInt8:
-    """One DFlash draft layer's weights for `draft_layer_int8` (make it with `pack_draft_layer`): the kernel's
-    table of pointers, the tensors they point into (held here, so that they live as long as it) and the shapes."""
+class DecoderLayer:
+    """One decoder layer's weights for `decoder_layer` (make it with `pack_layer`): the kernel's table of pointers,
+    the tensors they point into (held here, so that they live as long as it) and the layer's shapes."""
 
-    table: _DraftLayer
+    table: _DecoderLayer
     tensors: tuple
     hidden_size: int
     heads: int
@@ -388,53 +393,68 @@ class DraftLayerInt8:
     head_dim: int
 
 
-def pack_draft_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qk_norm: torch.Tensor | None,
-                     qkv: PackedWeight, o: PackedWeight, gate_up: PackedWeight, down: PackedWeight, heads: int,
-                     kv_heads: int, head_dim: int) -> DraftLayerInt8:
-    """A draft layer for `draft_layer_int8`: its norms (float32 [d], and the q/k norms [heads + kv_heads, head_dim]
-    or None) and its products in 8-bit codes (`pack_int8`): q/k/v fused [(heads + 2 kv_heads) head_dim, d], o [d,
-    heads head_dim], gate/up fused [2F, d], down [d, F]."""
-    if not attention_fits(heads, kv_heads, head_dim) or gate_up.shape[0] % 2:
-        raise ValueError(f"draft layer: {heads} heads over {kv_heads} key/value heads of {head_dim} (and gate/up "
-                         f"rows {gate_up.shape[0]}) are not shapes the native kernel takes")
-    d = input_norm.shape[0]
-    expected = {"qkv": ((heads + 2 * kv_heads) * head_dim, d), "o": (d, heads * head_dim),
-                "gate_up": (gate_up.shape[0], d), "down": (d, gate_up.shape[0] // 2)}
+def pack_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qk_norm: torch.Tensor | None,
+               qkv_bias: torch.Tensor | None, qkv: torch.Tensor | PackedWeight, o: torch.Tensor | PackedWeight,
+               gate_up: torch.Tensor | PackedWeight, down: torch.Tensor | PackedWeight, heads: int, kv_heads: int,
+               head_dim: int) -> DecoderLayer:
+    """A Llama/Qwen-style layer (or a DFlash draft's) for `decoder_layer`: its norms (float32 [d]; the q/k norms
+    [heads + kv_heads, head_dim] or None), the q/k/v bias or None, and its products, each a float32 weight or a
+    packed one (`pack`'s exact forms, or a draft's `pack_int8` codes where the CPU has AVX512_VNNI): q/k/v fused
+    [(heads + 2 kv_heads) head_dim, d], o [d, heads head_dim], gate/up fused [2F, d], down [d, F]."""
+    if not attention_fits(heads, kv_heads, head_dim):
+        raise ValueError(f"a native layer takes heads a multiple of the key/value heads and head_dim 64 or 128, not "
+                         f"{heads} heads over {kv_heads} of {head_dim}")
+    d, features = input_norm.shape[0], gate_up.shape[0] // 2
     products = {"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}
+    expected = {"qkv": ((heads + 2 * kv_heads) * head_dim, d), "o": (d, heads * head_dim),
+                "gate_up": (2 * features, d), "down": (d, features)}
+    table = {}
     for name, weight in products.items():
-        if weight.format != "int8" or weight.shape != expected[name] or weight.shape[1] % INT8_K_MULTIPLE:
-            raise ValueError(f"draft layer: {name} must be int8-packed {expected[name]} (K a multiple of "
-                             f"{INT8_K_MULTIPLE}), not {weight.format} {weight.shape}")
-    norms = {"input_norm": (input_norm, (d,)), "post_norm": (post_norm, (d,)),
-             "qk_norm": (qk_norm, (heads + kv_heads, head_dim))}
-    for name, (norm, shape) in norms.items():
-        if norm is not None and (norm.dtype != torch.float32 or tuple(norm.shape) != shape):
-            raise ValueError(f"draft layer: {name} must be float32 {shape}, not {norm.dtype} {tuple(norm.shape)}")
-    input_norm, post_norm = input_norm.contiguous(), post_norm.contiguous()
-    qk_norm = qk_norm.contiguous() if qk_norm is not None else None
+        if isinstance(weight, PackedWeight):
+            form, shape = weight.format, tuple(weight.shape)
+            usable = form != "int8" or (int8_dot_available() and not shape[1] % INT8_K_MULTIPLE)
+            extra = weight.row_sums if form == "int8" else weight.minimum
+            table[name] = _LayerWeight(LAYER_FORMATS[form], weight.data.data_ptr(), weight.scale.data_ptr()
+                                       if weight.scale is not None else None,
+                                       extra.data_ptr() if extra is not None else None, shape[0])
+        else:
+            form, shape = "float32", tuple(weight.shape)
+            usable = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+            table[name] = _LayerWeight(0, weight.data_ptr(), None, None, shape[0])
+        if not usable or shape != expected[name]:
+            raise ValueError(f"a native layer's {name} must be {expected[name]} (float32 and contiguous, packed, or "
+                             f"8-bit with K a multiple of {INT8_K_MULTIPLE} where the CPU has AVX512_VNNI), not "
+                             f"{form} {shape}")
+    vectors = {"input_norm": (input_norm, (d,)), "post_norm": (post_norm, (d,)),
+               "qk_norm": (qk_norm, (heads + kv_heads, head_dim)),
+               "qkv_bias": (qkv_bias, ((heads + 2 * kv_heads) * head_dim,))}
+    kept = {}
+    for name, (vector, shape) in vectors.items():
+        if vector is not None and (vector.dtype != torch.float32 or tuple(vector.shape) != shape):
+            raise ValueError(f"a native layer's {name} must be float32 {shape}, not {vector.dtype} "
+                             f"{tuple(vector.shape)}")
+        kept[name] = vector.contiguous() if vector is not None else None
+    pointers = [v.data_ptr() if v is not None else None for v in kept.values()]
+    return DecoderLayer(_DecoderLayer(*pointers, *table.values()), (*kept.values(), *products.values()), d, heads,
+                        kv_heads, head_dim)
 
-    def matrix(weight: PackedWeight) -> _Int8Matrix:
-        return _Int8Matrix(weight.data.data_ptr(), weight.scale.data_ptr(), weight.row_sums.data_ptr(),
-                           weight.shape[0])
 
-    table = _DraftLayer(input_norm.data_ptr(), post_norm.data_ptr(), qk_norm.data_ptr() if qk_norm is not None
-                        else None, *(matrix(w) for w in products.values()))
-    return DraftLayerInt8(table, (input_norm, post_norm, qk_norm, *products.values()), d, heads, kv_heads, head_dim)
-
-
-def draft_layer_int8(layer: DraftLayerInt8, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
-                     context: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, start: int, eps: float,
-                     parallel: int = 0) -> None:
-    """One layer of a DFlash draft's pass in a single native call (8-bit products, `int8_dot_gemm`'s arithmetic):
-    the block's `hidden` [q, d] (updated in place) over the window [context [w, d] ; block], whose keys and values
-    go to the layer's cache `keys`/`values` [kv_heads, capacity, head_dim] at positions start..start+w+q-1, the block
-    attending to the cache up to there and to all of itself. `cos`/`signed_sin` [w + q, head_dim] (`RotaryTables`
-    rows of the window's positions). Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16
-    attention. The same result as the step-by-step pass on the same kernels."""
-    if not int8_dot_available():
-        raise RuntimeError("8-bit dot products are unavailable here: the native kernel was not built for a CPU "
-                           f"with AVX512_VNNI ({unavailable_reason() or 'this CPU lacks it'})")
+def decoder_layer(layer: DecoderLayer, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+                  context: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor, start: int, eps: float,
+                  causal: bool = True, parallel: int = 0) -> None:
+    """One decoder layer in a single native call, for the few rows of a decoding step: `hidden` [q, d] (updated in
+    place) over the window [context ; hidden] (`context` [w, d], already normalized rows that give keys and values
+    but no queries: a DFlash draft's new context; None for a target), whose keys and values go to the layer's cache
+    `keys`/`values` [kv_heads, capacity, head_dim] at positions start..start+w+q-1; each query attends over the cache
+    up to its own position (`causal`) or to the window's end (a draft's block). `cos`/`signed_sin` [w + q, head_dim]
+    (`RotaryTables` rows of the window's positions). Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4
+    gate/up, 8 down, 16 attention. The same result, bit for bit, as the same kernels called one by one."""
+    library = _build()[0]
+    if library is None:
+        raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
     d, kv_heads, head_dim = layer.hidden_size, layer.kv_heads, layer.head_dim
+    if context is None:
+        context = hidden[:0]
     block, width = hidden.shape[0], context.shape[0]
     capacity = keys.shape[1]
     tensors = (keys, values, hidden, context, cos, signed_sin)
@@ -442,13 +462,13 @@ def draft_layer_int8(layer: DraftLayerInt8, keys: torch.Tensor, values: torch.Te
             or hidden.shape != (block, d) or context.shape != (width, d) or keys.shape != values.shape
             or keys.shape != (kv_heads, capacity, head_dim) or cos.shape != signed_sin.shape
             or cos.shape != (width + block, head_dim) or start < 0 or start + width + block > capacity):
-        raise ValueError(f"draft_layer_int8 takes contiguous float32 CPU hidden [q, {d}], context [w, {d}], a cache "
+        raise ValueError(f"decoder_layer takes contiguous float32 CPU hidden [q, {d}], context [w, {d}], a cache "
                          f"[{kv_heads}, capacity, {head_dim}] with room for the window at {start}, and tables [w + q, "
                          f"{head_dim}]; not {tuple(hidden.shape)}, {tuple(context.shape)}, {tuple(keys.shape)}, "
                          f"{tuple(cos.shape)}")
-    _build()[0].draft_layer_int8(ctypes.byref(layer.table), keys.data_ptr(), values.data_ptr(), hidden.data_ptr(),
-                                 context.data_ptr(), width, block, d, layer.heads, kv_heads, head_dim,
-                                 cos.data_ptr(), signed_sin.data_ptr(), capacity, start, eps, parallel)
+    library.decoder_layer(ctypes.byref(layer.table), keys.data_ptr(), values.data_ptr(), hidden.data_ptr(),
+                          context.data_ptr(), width, block, d, layer.heads, kv_heads, head_dim, cos.data_ptr(),
+                          signed_sin.data_ptr(), capacity, start, eps, int(causal), parallel)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

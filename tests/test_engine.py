@@ -15,6 +15,7 @@ from flashdraft.decoding import generate
 from flashdraft.draft import DraftCache, RowDraftCache
 from flashdraft.engine import (
     KERNEL_ROWS,
+    NATIVE_ATTENTION_QUERIES,
     PRODUCTS,
     DraftEngine,
     Engine,
@@ -106,6 +107,45 @@ def test_attention_on_the_native_kernel_keeps_the_engine_exact(monkeypatch, arch
     assert generate(engine_target, None, prompt, max_new_tokens=40).tokens == expected
     draft = tiny_draft(model, block_size=4)
     assert generate(engine_target, draft, prompt, max_new_tokens=40, block_size=4).tokens == expected
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kernel", ["native", "native-parallel"])
+def test_a_decoding_steps_layers_run_as_one_native_call_each_with_the_same_result(monkeypatch, arch, kernel):
+    model = tiny_target(arch, hidden_size=128, heads=2, kv_heads=1)  # head_dim 64: the native kernel's shape
+    engine = Engine(model)
+    engine.kernels = uniform(kernel)
+    calls = []
+    decoder_layer = native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda *args, **kwargs: calls.append(1) or decoder_layer(
+        *args, **kwargs))
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(40)[None]
+    caches = {True: engine.new_cache(), False: engine.new_cache()}
+    limit = NATIVE_ATTENTION_QUERIES["threads" if torch.get_num_threads() > 1 else "one thread"]
+    for window in (slice(0, 20), slice(20, 21), slice(21, 25), slice(25, 33), slice(33, 34)):  # 1, 4 and 8 tokens
+        results = {}
+        for native_layers, cache in caches.items():
+            engine.use_native_layers = native_layers
+            calls.clear()
+            results[native_layers] = engine.forward(ids[:1, window], positions[:, window], cache, [1, 3])
+            n = window.stop - window.start
+            assert len(calls) == (4 if native_layers and n <= limit else 0)  # a prompt's prefill: operators
+        (logits, features), (expected, expected_features) = results[True], results[False]
+        assert torch.equal(logits, expected) and torch.equal(features, expected_features)
+    for layer in range(4):
+        assert torch.equal(caches[True].keys[layer][:, :, :34], caches[False].keys[layer][:, :, :34])
+        assert torch.equal(caches[True].values[layer][:, :, :34], caches[False].values[layer][:, :, :34])
+    engine.use_native_layers = True
+    calls.clear()
+    batch = engine.new_cache()
+    engine.forward(ids[:, :20], positions[:, :20].expand(2, -1), batch)
+    engine.forward(ids[:, 20:21], positions[:, 20:21].expand(2, -1), batch)  # two sequences: operators
+    assert calls == []
+    engine.kernels = uniform("torch")  # a product off the native kernel: operators
+    engine.forward(ids[:1, 20:21], positions[:, 20:21], caches[True])
+    assert calls == []
 
 
 def test_rollback_is_a_length():

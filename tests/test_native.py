@@ -467,67 +467,93 @@ def test_native_attention_refuses_what_it_cannot_compute():
     assert not native.attention_fits(4, 3, 64) and not native.attention_fits(4, 2, 96)
 
 
-def _draft_layer(generator: torch.Generator, d: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                 features: int = 192):
-    """A draft layer's norms and 8-bit products (`pack_draft_layer`'s arguments) with random values."""
+def _layer(generator: torch.Generator, form: str, d: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+           features: int = 192):
+    """`pack_layer`'s arguments with random values, the products in `form`: "float32" (with a q/k/v bias, no q/k
+    norms: a Qwen2 layer), "packed" (bfloat16 values, packed exactly) or "int8" (a draft's 8-bit codes)."""
     def weight(rows, columns):
-        return native.pack_int8(torch.randn(rows, columns, generator=generator) * 0.05)
+        values = torch.randn(rows, columns, generator=generator) * 0.05
+        if form == "int8":
+            return native.pack_int8(values)
+        if form == "packed":
+            return native.pack(values.bfloat16().float())
+        return values
 
+    bias = form == "float32"
     return dict(input_norm=1 + 0.1 * torch.randn(d, generator=generator),
                 post_norm=1 + 0.1 * torch.randn(d, generator=generator),
-                qk_norm=1 + 0.1 * torch.randn(heads + kv_heads, head_dim, generator=generator),
+                qk_norm=None if bias else 1 + 0.1 * torch.randn(heads + kv_heads, head_dim, generator=generator),
+                qkv_bias=torch.randn((heads + 2 * kv_heads) * head_dim, generator=generator) if bias else None,
                 qkv=weight((heads + 2 * kv_heads) * head_dim, d), o=weight(d, heads * head_dim),
                 gate_up=weight(2 * features, d), down=weight(d, features),
                 heads=heads, kv_heads=kv_heads, head_dim=head_dim)
 
 
-@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (8-bit products)")
+def _product(x: torch.Tensor, weight) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return native.small_gemm(x, weight)
+    return (native.int8_dot_gemm if weight.format == "int8" else native.packed_gemm)(x, weight)
+
+
 @pytest.mark.parametrize("parallel", [0, 31])
-def test_a_native_draft_layer_is_its_steps_in_order(parallel):
-    generator = torch.Generator().manual_seed(parallel)
-    parts = _draft_layer(generator)
-    layer = native.pack_draft_layer(**parts)
+@pytest.mark.parametrize("form, width, causal", [("float32", 0, True), ("packed", 0, True), ("int8", 3, False),
+                                                 ("packed", 2, False)])
+def test_a_native_layer_is_its_steps_in_order(form, width, causal, parallel):
+    if not native.available() or (form == "int8" and not native.int8_dot_available()):
+        pytest.skip("needs the native kernel (and AVX512_VNNI for 8-bit products)")
+    generator = torch.Generator().manual_seed(parallel + width)
+    parts = _layer(generator, form)
+    layer = native.pack_layer(**parts)
     heads, kv_heads, head_dim, eps = 4, 2, 64, 1e-6
-    width, block, start, capacity = 3, 4, 5, 16
+    block, start, capacity = 4, 5, 16
     n = width + block
     keys, values = torch.randn(2, kv_heads, capacity, head_dim, generator=generator)
     hidden, context = torch.randn(block, 128, generator=generator), torch.randn(width, 128, generator=generator)
     cos, sin = torch.randn(2, n, head_dim, generator=generator)
     # step by step, on the same kernels
     window = torch.cat([context, native.rms_norm(hidden, parts["input_norm"], eps)])
-    qkv = native.int8_dot_gemm(window, parts["qkv"]).view(n, heads + 2 * kv_heads, head_dim)
+    qkv = _product(window, parts["qkv"])
+    if parts["qkv_bias"] is not None:
+        qkv = qkv + parts["qkv_bias"]
+    qkv = qkv.view(n, heads + 2 * kv_heads, head_dim)
     qk = native.norm_rotary(qkv[:, : heads + kv_heads], cos, sin, parts["qk_norm"], eps)
     expected_keys, expected_values = keys.clone(), values.clone()
     expected_keys[:, start : start + n] = qk[:, heads:].transpose(0, 1)
     expected_values[:, start : start + n] = qkv[:, heads + kv_heads :].transpose(0, 1)
     attended = native.causal_attention(qk[width:, :heads], expected_keys[None], expected_values[None],
-                                       start + width, causal=False)
-    expected = hidden + native.int8_dot_gemm(attended, parts["o"])
-    up = native.int8_dot_gemm(native.rms_norm(expected, parts["post_norm"], eps), parts["gate_up"])
-    expected = expected + native.int8_dot_gemm(native.swiglu(up), parts["down"])
+                                       start + width, causal=causal)
+    expected = hidden + _product(attended, parts["o"])
+    up = _product(native.rms_norm(expected, parts["post_norm"], eps), parts["gate_up"])
+    expected = expected + _product(native.swiglu(up), parts["down"])
     ours = hidden.clone()
-    native.draft_layer_int8(layer, keys, values, ours, context, cos, sin, start, eps, parallel)
+    native.decoder_layer(layer, keys, values, ours, context if width else None, cos, sin, start, eps, causal,
+                         parallel)
     assert torch.equal(ours, expected)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # nothing else written
 
 
-@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (8-bit products)")
-def test_a_native_draft_layer_refuses_what_it_cannot_compute():
-    parts = _draft_layer(torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"o must be int8-packed \(128, 256\)"):
-        native.pack_draft_layer(**{**parts, "o": native.pack_bfloat16(parts["o"].unpack())})
+@requires_native
+def test_a_native_layer_refuses_what_it_cannot_compute():
+    parts = _layer(torch.Generator().manual_seed(0), "float32")
+    with pytest.raises(ValueError, match=r"o must be \(128, 256\)"):
+        native.pack_layer(**{**parts, "o": parts["o"].T})
+    with pytest.raises(ValueError, match=r"o must be \(128, 256\) .* not float32 \(128, 256\)"):
+        native.pack_layer(**{**parts, "o": parts["o"].T.contiguous().T})  # not contiguous
     with pytest.raises(ValueError, match=r"qk_norm must be float32 \(6, 64\)"):
-        native.pack_draft_layer(**{**parts, "qk_norm": torch.ones(4, 64)})
-    with pytest.raises(ValueError, match="not shapes the native kernel takes"):
-        native.pack_draft_layer(**{**parts, "head_dim": 96})
-    layer = native.pack_draft_layer(**parts)
+        native.pack_layer(**{**parts, "qk_norm": torch.ones(4, 64)})
+    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+        native.pack_layer(**{**parts, "head_dim": 96})
+    if native.int8_dot_available():
+        with pytest.raises(ValueError, match="8-bit with K a multiple of 64"):
+            native.pack_layer(**{**parts, "gate_up": native.pack_int8(torch.randn(384, 96))})
+    layer = native.pack_layer(**parts)
     cache = torch.zeros(2, 16, 64)
     tables = torch.zeros(7, 64)
-    native.draft_layer_int8(layer, cache, cache.clone(), torch.zeros(4, 128), torch.zeros(3, 128), tables, tables, 9,
-                            1e-6)  # the window fills the cache to its end
+    native.decoder_layer(layer, cache, cache.clone(), torch.zeros(4, 128), torch.zeros(3, 128), tables, tables, 9,
+                         1e-6)  # the window fills the cache to its end
     with pytest.raises(ValueError, match="with room for the window at 10"):
-        native.draft_layer_int8(layer, cache, cache.clone(), torch.zeros(4, 128), torch.zeros(3, 128), tables,
-                                tables, 10, 1e-6)
+        native.decoder_layer(layer, cache, cache.clone(), torch.zeros(4, 128), torch.zeros(3, 128), tables, tables,
+                             10, 1e-6)
     with pytest.raises(ValueError, match=r"hidden \[q, 128\]"):
-        native.draft_layer_int8(layer, cache, cache.clone(), torch.zeros(4, 64), torch.zeros(3, 128), tables,
-                                tables, 0, 1e-6)
+        native.decoder_layer(layer, cache, cache.clone(), torch.zeros(4, 64), torch.zeros(3, 128), tables, tables, 0,
+                             1e-6)

@@ -590,21 +590,6 @@ void swiglu(const float *x, float *y, long M, long F) {
     }
 }
 
-/* A weight in 8-bit codes (`pack_int8`): rows x K codes, a scale and a sum of codes per row. */
-typedef struct {
-    const signed char *codes;
-    const float *scale;
-    const int *sums;
-    long rows;
-} int8_matrix;
-
-/* One draft layer's weights for `draft_layer_int8`: its norms (qk_norm [heads + kv_heads, head_dim], or NULL) and
- * its four products. */
-typedef struct {
-    const float *input_norm, *post_norm, *qk_norm;
-    int8_matrix qkv, o, gate_up, down;
-} draft_layer;
-
 /* Products in 8-bit integers, for a draft (its proposals never change what is generated): w[N, K] held as int8
  * with one float scale per row (`w_scale`, and `w_sum` the row's sum of codes), x quantized per row on the fly
  * (its largest magnitude to 127, codes shifted by 128 into unsigned bytes), and 64 products a row summed into 16
@@ -694,26 +679,50 @@ void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, c
     free(codes);
     free(x_scale);
 }
+#else
+int int8_dot_available(void) { return 0; }
+void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, const int *w_sum, float *y, long M,
+                   long N, long K, int parallel) {}
+#endif
 
-/* One layer of a DFlash draft's pass with 8-bit products, in a single call where Python ran ~30 operators (their
- * overhead was half the pass): the block's hidden states h [block, d] (updated in place) attend, non-causally, to
- * the cached context, the new context rows `context` [width, d] (already projected and normalized) and the block
- * itself. The window [context ; RMSNorm(h)] goes through q/k/v; q and k heads get their norms and rotary (`cos`,
- * `sin` [width + block, head_dim]); the window's keys and values are written to the layer's cache [kv_heads,
- * capacity, head_dim] at positions start..start+width+block-1; the block's queries attend over the cache up to
- * there; then h += o(attended), h += down(swiglu(gate_up(RMSNorm(h)))). The same kernels as the step-by-step pass,
- * in the same order: the same result. Bits of `parallel`: qkv, o, gate_up, down products, attention. */
-static void int8_product(const float *x, const int8_matrix *w, float *y, long M, long K, int parallel) {
-    int8_dot_gemm(x, w->codes, w->scale, w->sums, y, M, w->rows, K, parallel);
+/* A whole decoder layer in one call, for the few rows of a decoding step, where Python ran ~30 operators a layer
+ * (their overhead was a fifth of a target's one-token step and half a draft's pass). Rows h [block, d] (updated in
+ * place) over a window [context ; RMSNorm(h)]: `context` [width, d] rows already normalized that join the keys and
+ * values but not the queries (a DFlash draft's new context; width 0 for a target). The window goes through q/k/v
+ * (+ bias), q and k heads get their norms (`qk_norm` [heads + kv_heads, head_dim], or NULL) and rotary (`cos`,
+ * `sin` [width + block, head_dim], the sine's first half negated), the window's keys and values are written to the
+ * layer's cache [kv_heads, capacity, head_dim] at positions start..start+width+block-1, h's queries attend over the
+ * cache up to their own position (`causal`) or to the window's end (a draft's block), then h += o(attended),
+ * h += down(swiglu(gate_up(RMSNorm(h)))). The same kernels in the same order as the operator-by-operator pass: the
+ * same result bit for bit. Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16 attention. */
+typedef struct { /* a product's weight in a form the kernels read */
+    int format;          /* 0 float32 [rows, K]; BF16, Q8_0, Q4_1 packed exactly; INT8 8-bit codes (a draft's) */
+    const void *data;
+    const float *scale;  /* the packed formats' scales; INT8's one a row */
+    const void *extra;   /* Q4_1's minimums; INT8's row sums of codes */
+    long rows;
+} layer_weight;
+
+enum { FLOAT32 = 0, INT8 = 4 };
+
+typedef struct {
+    const float *input_norm, *post_norm, *qk_norm, *qkv_bias;
+    layer_weight qkv, o, gate_up, down;
+} decoder_layer_weights;
+
+static void layer_product(const float *x, const layer_weight *w, float *y, long M, long K, int parallel) {
+    if (w->format == FLOAT32) (parallel ? small_gemm_parallel : small_gemm)(x, w->data, y, M, w->rows, K);
+    else if (w->format == INT8) int8_dot_gemm(x, w->data, w->scale, w->extra, y, M, w->rows, K, parallel);
+    else (parallel ? packed_gemm_parallel : packed_gemm)(w->format, x, w->data, w->scale, w->extra, y, M, w->rows, K);
 }
 
 static void add_into(float *h, const float *update, long count) {
     for (long i = 0; i < count; i++) h[i] += update[i];
 }
 
-void draft_layer_int8(const draft_layer *layer, float *keys, float *values, float *h, const float *context,
-                      long width, long block, long d, long heads, long kv_heads, long head_dim, const float *cos,
-                      const float *sin, long capacity, long start, float eps, int parallel) {
+void decoder_layer(const decoder_layer_weights *layer, float *keys, float *values, float *h, const float *context,
+                   long width, long block, long d, long heads, long kv_heads, long head_dim, const float *cos,
+                   const float *sin, long capacity, long start, float eps, int causal, int parallel) {
     const long n = width + block, qk_heads = heads + kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
     const long features = layer->gate_up.rows / 2;
     float *window = malloc(sizeof(float) * (size_t)(n * d));
@@ -725,7 +734,9 @@ void draft_layer_int8(const draft_layer *layer, float *keys, float *values, floa
     float *activated = malloc(sizeof(float) * (size_t)(block * features));
     memcpy(window, context, sizeof(float) * (size_t)(width * d));
     rms_norm(h, d, layer->input_norm, 1, window + width * d, block, d, eps);
-    int8_product(window, &layer->qkv, qkv, n, d, parallel & 1);
+    layer_product(window, &layer->qkv, qkv, n, d, parallel & 1);
+    if (layer->qkv_bias != NULL)
+        for (long m = 0; m < n; m++) add_into(qkv + m * qkv_width, layer->qkv_bias, qkv_width);
     norm_rotary(qkv, qkv_width, layer->qk_norm, qk_heads, eps, cos, sin, qk, n, head_dim);
     for (long m = 0; m < n; m++)
         for (long g = 0; g < kv_heads; g++) {
@@ -734,15 +745,15 @@ void draft_layer_int8(const draft_layer *layer, float *keys, float *values, floa
             memcpy(values + at, qkv + m * qkv_width + (heads + kv_heads + g) * head_dim,
                    sizeof(float) * (size_t)head_dim);
         }
+    const float scale = (float)(1.0 / __builtin_sqrt((double)head_dim)); /* as Python's head_dim ** -0.5 */
     causal_attention(qk + width * qk_heads * head_dim, keys, values, attended, 1, block, heads, kv_heads, head_dim,
-                     qk_heads * head_dim, capacity, start + width, 1.0f / __builtin_sqrtf((float)head_dim), 0,
-                     parallel >> 4 & 1);
-    int8_product(attended, &layer->o, update, block, heads * head_dim, parallel >> 1 & 1);
+                     qk_heads * head_dim, capacity, start + width, scale, causal, parallel >> 4 & 1);
+    layer_product(attended, &layer->o, update, block, heads * head_dim, parallel >> 1 & 1);
     add_into(h, update, block * d);
     rms_norm(h, d, layer->post_norm, 1, window, block, d, eps);
-    int8_product(window, &layer->gate_up, gate_up, block, d, parallel >> 2 & 1);
+    layer_product(window, &layer->gate_up, gate_up, block, d, parallel >> 2 & 1);
     swiglu(gate_up, activated, block, features);
-    int8_product(activated, &layer->down, update, block, features, parallel >> 3 & 1);
+    layer_product(activated, &layer->down, update, block, features, parallel >> 3 & 1);
     add_into(h, update, block * d);
     free(window);
     free(qkv);
@@ -752,11 +763,3 @@ void draft_layer_int8(const draft_layer *layer, float *keys, float *values, floa
     free(gate_up);
     free(activated);
 }
-#else
-int int8_dot_available(void) { return 0; }
-void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, const int *w_sum, float *y, long M,
-                   long N, long K, int parallel) {}
-void draft_layer_int8(const draft_layer *layer, float *keys, float *values, float *h, const float *context,
-                      long width, long block, long d, long heads, long kv_heads, long head_dim, const float *cos,
-                      const float *sin, long capacity, long start, float eps, int parallel) {}
-#endif
