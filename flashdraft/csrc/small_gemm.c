@@ -716,6 +716,19 @@ static void layer_product(const float *x, const layer_weight *w, float *y, long 
     else (parallel ? packed_gemm_parallel : packed_gemm)(w->format, x, w->data, w->scale, w->extra, y, M, w->rows, K);
 }
 
+/* The calling thread's scratch for a layer's intermediates, kept between calls and grown as needed: a buffer
+ * malloc'd and freed every call was returned to the system and faulted in again page by page (~0.1 ms a layer). */
+static float *layer_scratch(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t held = 0;
+    if (floats > held) {
+        free(buffer);
+        buffer = malloc(sizeof(float) * floats);
+        held = floats;
+    }
+    return buffer;
+}
+
 static void add_into(float *h, const float *update, long count) {
     for (long i = 0; i < count; i++) h[i] += update[i];
 }
@@ -725,13 +738,11 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
                    const float *sin, long capacity, long start, float eps, int causal, int parallel) {
     const long n = width + block, qk_heads = heads + kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
     const long features = layer->gate_up.rows / 2;
-    float *window = malloc(sizeof(float) * (size_t)(n * d));
-    float *qkv = malloc(sizeof(float) * (size_t)(n * qkv_width));
-    float *qk = malloc(sizeof(float) * (size_t)(n * qk_heads * head_dim));
-    float *attended = malloc(sizeof(float) * (size_t)(block * heads * head_dim));
-    float *update = malloc(sizeof(float) * (size_t)(block * d));
-    float *gate_up = malloc(sizeof(float) * (size_t)(block * 2 * features));
-    float *activated = malloc(sizeof(float) * (size_t)(block * features));
+    float *window = layer_scratch((size_t)(n * d + n * qkv_width + n * qk_heads * head_dim + block * heads * head_dim
+                                           + block * d + block * 3 * features));
+    float *qkv = window + n * d, *qk = qkv + n * qkv_width, *attended = qk + n * qk_heads * head_dim;
+    float *update = attended + block * heads * head_dim, *gate_up = update + block * d;
+    float *activated = gate_up + block * 2 * features;
     memcpy(window, context, sizeof(float) * (size_t)(width * d));
     rms_norm(h, d, layer->input_norm, 1, window + width * d, block, d, eps);
     layer_product(window, &layer->qkv, qkv, n, d, parallel & 1);
@@ -755,11 +766,4 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
     swiglu(gate_up, activated, block, features);
     layer_product(activated, &layer->down, update, block, features, parallel >> 3 & 1);
     add_into(h, update, block * d);
-    free(window);
-    free(qkv);
-    free(qk);
-    free(attended);
-    free(update);
-    free(gate_up);
-    free(activated);
 }
