@@ -5,6 +5,9 @@ two forms in alternating turns (40 each), least and median.
     python scripts/bench_engine_variants.py attention --contexts 200 1000 --tokens 1 4 8 16
                                                           # native attention against torch's fused kernel
     python scripts/bench_engine_variants.py rotary        # native norm + rotary against torch's operators
+    python scripts/bench_engine_variants.py layers        # each layer one native call against its operators
+
+The operator variants run each layer operator by operator (`Engine.use_native_layers` off), where they apply.
 
 Like the CLI, it chooses how torch's threads wait before torch loads. Pause background work first: it times.
 """
@@ -55,7 +58,12 @@ def rotary_forms(engine) -> dict[str, Callable[[], None]]:
             "torch": lambda: setattr(engine_module, "norm_rotary", torch_rotary)}
 
 
-VARIANTS = {"rms-norm": norm_forms, "attention": attention_forms, "rotary": rotary_forms}
+def layer_forms(engine) -> dict[str, Callable[[], None]]:
+    return {"native": lambda: setattr(engine, "use_native_layers", True),
+            "operators": lambda: setattr(engine, "use_native_layers", False)}
+
+
+VARIANTS = {"rms-norm": norm_forms, "attention": attention_forms, "rotary": rotary_forms, "layers": layer_forms}
 
 
 def step(engine, cache, context: int, n: int) -> None:
@@ -72,6 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = TargetModel(load_target("smollm2-135m-instruct")[0]).engine
     forms = VARIANTS[args.variant](engine)
+    engine.use_native_layers = args.variant == "layers"  # an operator's forms show only operator by operator
     restore = forms["native"]
     try:
         for context in args.contexts:
