@@ -803,7 +803,7 @@ class DraftEngine:
     def _native_layers(self, h, context, cos, sin, cache: DraftCache, threads: bool) -> torch.Tensor:
         """`_forward` for one sequence whose layers are each one native call (`native.decoder_layer`): the
         same kernels in the same order, without the ~30 operators' overhead a layer costs in Python (half the
-        pass; BENCHMARKS.md, "The draft pass in one native call a layer")."""
+        pass; BENCHMARKS.md, "A whole layer in one native call")."""
         block, width = h.shape[0], context.shape[0]
         h = h.clone(memory_format=torch.contiguous_format)  # updated in place
         start = cache.claim(width + block)
