@@ -69,8 +69,17 @@ def test_observe_counts_only_the_positions_a_round_tested():
 def test_probes_come_less_often_while_drafting_does_not_pay():
     controller = controller_after(5, 0.0)
     choices = [controller.choose() for _ in range(32 + 64)]
-    assert choices.count(16) == 2
-    assert choices[31] == 16 and choices[95] == 16  # after 32, then after 64 more rounds without drafting
+    assert sum(size > 1 for size in choices) == 2
+    assert choices[31] == choices[95] == 6  # after 32, then after 64 more rounds without drafting
+
+
+def test_a_probe_has_the_size_that_pays_for_a_draft_accepted_half_the_time():
+    # Under COSTS a round of b tokens yields 2 - 0.5^(b-1) at the prior: 6 tokens is where more stops paying.
+    assert BlockSizeController(16, COSTS, 0.1).probe_size == 6
+    cpu = VerifyCosts({1: 9.4, 2: 10.9, 4: 13.7, 8: 24.6, 16: 45.9})  # this CPU's engine, in milliseconds
+    assert BlockSizeController(8, cpu, 1.9).probe_size == 3  # 8 tokens cost 2.6 steps here: probe small
+    assert BlockSizeController(8, VerifyCosts({1: 1.0, 8: 1.01}), 0.01).probe_size == 8  # nearly free: all of it
+    assert BlockSizeController(8, VerifyCosts({1: 1.0, 8: 9.0}), 0.5).probe_size == 2  # at least one proposal
 
 
 def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
