@@ -680,7 +680,9 @@ class DraftEngine:
         # (BENCHMARKS.md, "8-bit draft products"). FLASHDRAFT_DRAFT_INT8=0: bfloat16 arithmetic.
         self.int8_dot = native.int8_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_INT8", "1") != "0"
         self._head: tuple | None = None  # (made from, packed head) for `logits`
+        self._whole: tuple | None = None  # (made from, native.DraftWeights) for `block`
         self.use_native_layers = True  # False: the layer step by step, for comparisons
+        self.use_whole_pass = True  # False: `block` declines (the layers native, the rest in torch), for comparisons
 
     @classmethod
     def for_draft(cls, draft: nn.Module, engine: Engine | None) -> DraftEngine | None:
@@ -726,22 +728,68 @@ class DraftEngine:
             return native.bf16_dot_gemm(x, packed, parallel=product is _native_parallel)
         return product(x, weight, forms)
 
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
-        """`head(hidden)` for the draft's final hidden states [rows, d] (after a pass, so `_weights` is current);
-        for a bfloat16 draft with bfloat16 (or 8-bit) arithmetic, through a copy of the head's weight rounded so
-        (made again when the weight changes)."""
+    def _packed_head(self, head: nn.Linear) -> native.PackedWeight | None:
+        """The head's weight rounded for the draft's arithmetic (8-bit, else bfloat16; made again when the weight
+        changes), or None where the head runs as it is: a draft not in bfloat16 values (in training), a bias."""
         weight = head.weight
         int8 = bool(self.int8) and not weight.shape[1] % native.INT8_K_MULTIPLE
         if (not ((self.bf16_dot or int8) and self.bfloat16_weights) or head.bias is not None
                 or weight.dtype != torch.float32 or weight.shape[1] % native.BLOCK):
-            return head(hidden.to(weight.dtype))
+            return None
         made_from = (weight.data_ptr(), weight._version, int8)
         if self._head is None or self._head[0] != made_from:
             self._head = made_from, (native.pack_int8 if int8 else native.pack_bfloat16)(weight.detach())
+        return self._head[1]
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+        """`head(hidden)` for the draft's final hidden states [rows, d] (after a pass, so `_weights` is current);
+        for a bfloat16 draft with bfloat16 (or 8-bit) arithmetic, through a copy of the head's weight rounded so."""
+        packed = self._packed_head(head)
+        if packed is None:
+            return head(hidden.to(head.weight.dtype))
         parallel = self.engine.kernels.product("head", hidden.shape[0]) is _native_parallel
-        multiply = native.int8_dot_gemm if int8 else native.bf16_dot_gemm
-        return multiply(hidden, self._head[1], parallel)
+        multiply = native.int8_dot_gemm if packed.format == "int8" else native.bf16_dot_gemm
+        return multiply(hidden, packed, parallel)
+
+    @torch.no_grad()
+    def block(self, block_ids: list[int], features: torch.Tensor, first_position: int, cache: DraftCache,
+              head: nn.Linear, embedding: nn.Module, rows: slice,
+              vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole pass for one sequence in a single native call (`native.draft_block`): the block `block_ids`
+        embedded by `embedding`, the new context `features` [1, w, k d] at positions first_position.., every
+        layer, the final norm and `head` for the block's `rows`. Returns their logits [rows, V_head] and each
+        row's argmax (as ids of `vocab_ids` where given); None where the pass does not run so (layers not all
+        8-bit, a head or an embedding of another kind), and `__call__` with `logits` must. The same result, bit
+        for bit, as that pair: the same kernels in the same order, without the ~15 torch operators around the
+        layers (a quarter of the pass once the target's step has evicted them from the caches)."""
+        self._weights()
+        if (self.native_layers is None or not (self.use_native_layers and self.use_whole_pass)
+                or type(embedding) is not nn.Embedding
+                or embedding.weight.dtype != torch.float32 or features.shape[0] != 1 or id(self.fc) not in self.int8):
+            return None
+        head_weight = self._packed_head(head)
+        if head_weight is None or head_weight.format != "int8":
+            return None
+        made_from = (self._made_from, self._head[0], embedding.weight.data_ptr(), embedding.weight._version)
+        if self._whole is None or self._whole[0] != made_from:
+            self._whole = made_from, native.pack_draft(self.native_layers, self.int8[id(self.fc)], self.hidden_norm,
+                                                       self.norm, head_weight, embedding.weight.detach())
+        block, width = len(block_ids), features.shape[1]
+        end = first_position + width + block
+        cos, sin = self.rotary(end)
+        start = cache.claim(width + block)
+        threads = torch.get_num_threads() > 1
+        kernels = self.engine.kernels
+        parallel = _parallel_bits(kernels, width + block, block, threads and attention_key_reads(
+            1, block, self.num_heads, self.kv_heads, start + width + block) >= PARALLEL_KEY_READS)
+        first, stop = rows.indices(block)[:2]
+        parallel |= (32 if kernels.product("down", width) is _native_parallel else 0) | (
+            64 if kernels.product("head", stop - first) is _native_parallel else 0)
+        return native.unchecked_draft_block(self._whole[1], [k[0] for k in cache.keys], [v[0] for v in cache.values],
+                                            block_ids, features[0].contiguous(), cos[first_position:end],
+                                            sin[first_position:end], start, self.eps, first, stop - first, vocab_ids,
+                                            parallel)
 
     @torch.no_grad()
     def __call__(

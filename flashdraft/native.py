@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
                                      + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_float]
                                      + [ctypes.c_int] * 2)
     loaded.decoder_layer.restype = None
+    loaded.draft_block.argtypes = ([ctypes.POINTER(_DraftWeights)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+                                   + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int]
+                                   + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 3)
+    loaded.draft_block.restype = None
     return loaded, None, identity
 
 
@@ -393,6 +398,25 @@ class DecoderLayer:
     head_dim: int
 
 
+def _layer_weight(what: str, weight: torch.Tensor | PackedWeight, expected: tuple[int, int]) -> _LayerWeight:
+    """A product's weight as the native layer kernels read it (csrc: layer_weight), checked against its shape."""
+    if isinstance(weight, PackedWeight):
+        form, shape = weight.format, tuple(weight.shape)
+        usable = form != "int8" or (int8_dot_available() and not shape[1] % INT8_K_MULTIPLE)
+        extra = weight.row_sums if form == "int8" else weight.minimum
+        table = _LayerWeight(LAYER_FORMATS[form], weight.data.data_ptr(),
+                             weight.scale.data_ptr() if weight.scale is not None else None,
+                             extra.data_ptr() if extra is not None else None, shape[0])
+    else:
+        form, shape = "float32", tuple(weight.shape)
+        usable = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+        table = _LayerWeight(0, weight.data_ptr(), None, None, shape[0])
+    if not usable or shape != expected:
+        raise ValueError(f"{what} must be {expected} (float32 and contiguous, packed, or 8-bit with K a multiple of "
+                         f"{INT8_K_MULTIPLE} where the CPU has AVX512_VNNI), not {form} {shape}")
+    return table
+
+
 def pack_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qk_norm: torch.Tensor | None,
                qkv_bias: torch.Tensor | None, qkv: torch.Tensor | PackedWeight, o: torch.Tensor | PackedWeight,
                gate_up: torch.Tensor | PackedWeight, down: torch.Tensor | PackedWeight, heads: int, kv_heads: int,
@@ -408,23 +432,8 @@ def pack_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qk_norm: torch
     products = {"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}
     expected = {"qkv": ((heads + 2 * kv_heads) * head_dim, d), "o": (d, heads * head_dim),
                 "gate_up": (2 * features, d), "down": (d, features)}
-    table = {}
-    for name, weight in products.items():
-        if isinstance(weight, PackedWeight):
-            form, shape = weight.format, tuple(weight.shape)
-            usable = form != "int8" or (int8_dot_available() and not shape[1] % INT8_K_MULTIPLE)
-            extra = weight.row_sums if form == "int8" else weight.minimum
-            table[name] = _LayerWeight(LAYER_FORMATS[form], weight.data.data_ptr(), weight.scale.data_ptr()
-                                       if weight.scale is not None else None,
-                                       extra.data_ptr() if extra is not None else None, shape[0])
-        else:
-            form, shape = "float32", tuple(weight.shape)
-            usable = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
-            table[name] = _LayerWeight(0, weight.data_ptr(), None, None, shape[0])
-        if not usable or shape != expected[name]:
-            raise ValueError(f"a native layer's {name} must be {expected[name]} (float32 and contiguous, packed, or "
-                             f"8-bit with K a multiple of {INT8_K_MULTIPLE} where the CPU has AVX512_VNNI), not "
-                             f"{form} {shape}")
+    table = {name: _layer_weight(f"a native layer's {name}", weight, expected[name])
+             for name, weight in products.items()}
     vectors = {"input_norm": (input_norm, (d,)), "post_norm": (post_norm, (d,)),
                "qk_norm": (qk_norm, (heads + kv_heads, head_dim)),
                "qkv_bias": (qkv_bias, ((heads + 2 * kv_heads) * head_dim,))}
@@ -469,6 +478,108 @@ def decoder_layer(layer: DecoderLayer, keys: torch.Tensor, values: torch.Tensor,
     library.decoder_layer(ctypes.byref(layer.table), keys.data_ptr(), values.data_ptr(), hidden.data_ptr(),
                           context.data_ptr(), width, block, d, layer.heads, kv_heads, head_dim, cos.data_ptr(),
                           signed_sin.data_ptr(), capacity, start, eps, int(causal), parallel)
+
+
+class _DraftWeights(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_DecoderLayer)), ("num_layers", ctypes.c_long), ("fc", _LayerWeight),
+                ("head", _LayerWeight), ("hidden_norm", ctypes.c_void_p), ("norm", ctypes.c_void_p),
+                ("embedding", ctypes.c_void_p)]
+
+
+@dataclass
+class DraftWeights:
+    """A DFlash draft's weights for `draft_block` (make them with `pack_draft`): the kernel's table and what it
+    points into, held here so that they live as long as it."""
+
+    table: _DraftWeights
+    tensors: tuple
+    layers: list[DecoderLayer]
+    feature_size: int  # the target features' width the fc reads: (target layers read) x hidden size
+    vocab_size: int  # the head's rows
+    embedding_rows: int
+
+
+def pack_draft(layers: list[DecoderLayer], fc: torch.Tensor | PackedWeight, hidden_norm: torch.Tensor,
+               norm: torch.Tensor, head: torch.Tensor | PackedWeight, embedding: torch.Tensor) -> DraftWeights:
+    """A DFlash draft for `draft_block`: its layers (`pack_layer`), fc [d, k d] and head [V, d] (float32, packed,
+    or 8-bit, as a layer's products), its norms (float32 [d]) and the target's input embedding [vocab, d]."""
+    first = layers[0]
+    d = first.hidden_size
+    if any((layer.hidden_size, layer.heads, layer.kv_heads, layer.head_dim)
+           != (d, first.heads, first.kv_heads, first.head_dim) for layer in layers):
+        raise ValueError("a native draft's layers must all have the same shapes")
+    fc_shape, head_shape = tuple(fc.shape), tuple(head.shape)
+    fc_table = _layer_weight("a native draft's fc", fc, (d, fc_shape[1]))
+    head_table = _layer_weight("a native draft's head", head, (head_shape[0], d))
+    for name, vector, shape in (("hidden_norm", hidden_norm, (d,)), ("norm", norm, (d,)),
+                                ("embedding", embedding, (embedding.shape[0], d))):
+        if vector.dtype != torch.float32 or vector.device.type != "cpu" or tuple(vector.shape) != shape:
+            raise ValueError(f"a native draft's {name} must be float32 {shape} on the CPU, not {vector.dtype} "
+                             f"{tuple(vector.shape)}")
+    hidden_norm, norm, embedding = hidden_norm.contiguous(), norm.contiguous(), embedding.contiguous()
+    tables = (_DecoderLayer * len(layers))(*(layer.table for layer in layers))
+    table = _DraftWeights(tables, len(layers), fc_table, head_table, hidden_norm.data_ptr(), norm.data_ptr(),
+                          embedding.data_ptr())
+    return DraftWeights(table, (tables, fc, head, hidden_norm, norm, embedding), layers, fc_shape[1], head_shape[0],
+                        embedding.shape[0])
+
+
+def draft_block(draft: DraftWeights, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                block_ids: Sequence[int], features: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                start: int, eps: float, first: int, rows: int, vocab_ids: torch.Tensor | None = None,
+                parallel: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash draft's whole pass for one sequence in a single native call: the block `block_ids` embedded,
+    the new context `features` [w, k d] through fc and its norm, every layer (`decoder_layer`, the block seeing
+    all of itself; layer i's cache `keys[i]`/`values[i]` [kv_heads, capacity, head_dim] written at start..start+w+q-1),
+    the final norm and head for the block's rows first..first+rows-1. Returns their logits [rows, V] and each
+    row's first largest (as an id of `vocab_ids` where given). `cos`/`signed_sin` [w + q, head_dim]. Bits of
+    `parallel`: the layers' (`decoder_layer`), 32 fc, 64 the head. The same, bit for bit, as those steps one by one."""
+    if not available():
+        raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
+    layer = draft.layers[0]
+    block, width = len(block_ids), features.shape[0]
+    if len(keys) != len(draft.layers) or len(values) != len(draft.layers):
+        raise ValueError(f"draft_block takes a cache for each of the draft's {len(draft.layers)} layers, not "
+                         f"{len(keys)} and {len(values)}")
+    capacity = keys[0].shape[1]
+    cache_shape = (layer.kv_heads, capacity, layer.head_dim)
+    tensors = (*keys, *values, features, cos, signed_sin)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or any(tuple(t.shape) != cache_shape for t in (*keys, *values))
+            or tuple(features.shape) != (width, draft.feature_size) or cos.shape != signed_sin.shape
+            or tuple(cos.shape) != (width + block, layer.head_dim) or start < 0 or start + width + block > capacity
+            or not 0 <= first <= first + rows <= block or rows < 1
+            or not all(0 <= token < draft.embedding_rows for token in block_ids)):
+        raise ValueError(f"draft_block takes contiguous float32 CPU features [w, {draft.feature_size}], caches "
+                         f"[{layer.kv_heads}, capacity, {layer.head_dim}] with room for the window at {start}, tables "
+                         f"[w + q, {layer.head_dim}], block ids below {draft.embedding_rows} and rows within the "
+                         f"block; not {tuple(features.shape)}, {tuple(keys[0].shape)}, {tuple(cos.shape)}, "
+                         f"{list(block_ids)}, rows {first}..{first + rows - 1}")
+    if vocab_ids is not None and (vocab_ids.dtype != torch.int64 or tuple(vocab_ids.shape) != (draft.vocab_size,)):
+        raise ValueError(f"draft_block's vocab_ids must be int64 [{draft.vocab_size}], not {vocab_ids.dtype} "
+                         f"{tuple(vocab_ids.shape)}")
+    return unchecked_draft_block(draft, keys, values, block_ids, features, cos, signed_sin, start, eps, first, rows,
+                                 vocab_ids.contiguous() if vocab_ids is not None else None, parallel)
+
+
+def unchecked_draft_block(draft: DraftWeights, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                          block_ids: Sequence[int], features: torch.Tensor, cos: torch.Tensor,
+                          signed_sin: torch.Tensor, start: int, eps: float, first: int, rows: int,
+                          vocab_ids: torch.Tensor | None = None,
+                          parallel: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft_block` without its checks (a tenth of a millisecond once a target step has evicted what they read),
+    for a caller that guarantees them: the engine, whose caches and tables have that layout by construction."""
+    layer = draft.layers[0]
+    block, width, capacity = len(block_ids), features.shape[0], keys[0].shape[1]
+    logits, tokens = torch.empty(rows, draft.vocab_size), torch.empty(rows, dtype=torch.int64)
+    pointers = ctypes.c_void_p * len(keys)
+    _build()[0].draft_block(ctypes.byref(draft.table), pointers(*(t.data_ptr() for t in keys)),
+                            pointers(*(t.data_ptr() for t in values)), (ctypes.c_long * block)(*block_ids),
+                            features.data_ptr(), draft.feature_size, width, block, layer.hidden_size, layer.heads,
+                            layer.kv_heads, layer.head_dim, cos.data_ptr(), signed_sin.data_ptr(), capacity, start, eps,
+                            parallel, first, rows, logits.data_ptr(),
+                            vocab_ids.data_ptr() if vocab_ids is not None else None, tokens.data_ptr())
+    return logits, tokens
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -134,21 +134,36 @@ class DFlashProposer:
         """[size - 1, V_draft] logits of the first positions of the block after the anchor (`size` None: all
         block_size - 1). The draft always runs the whole block; the head, a small draft's largest product, only
         the rows a round uses."""
-        block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
+        return self._pass(anchor, context, start, block_size, size)[0]
+
+    def _pass(self, anchor, context, start, block_size, size) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`logits`, and their greedy proposals (target ids) where the pass computed them too: in one native call
+        on the CPU engine (`DraftEngine.block`), else None."""
         first_position = start - context.shape[1]
+        used = slice(1, size or block_size)  # the anchor's output is dropped
+        if self.on_engine and context.dtype == self.dtype:
+            whole = self.forward.block([int(anchor), *[self.draft.mask_token_id] * (block_size - 1)], context,
+                                       first_position, self.cache, self.head, self.target.embed_tokens, used,
+                                       self.vocab_ids)
+            if whole is not None:
+                self.cache.crop(-block_size)
+                return whole
+        block = torch.cat([anchor.view(1, 1), self.mask_ids[:, : block_size - 1]], dim=1)  # [1, B]
         dtype = self.dtype
         hidden = self.forward(
             self.target.embed(block).to(dtype), context.to(dtype),
             self.positions[:, first_position : start + block_size], self.cache,
         )
         self.cache.crop(-block_size)  # keep the context, drop the block's own K/V
-        return self._logits(hidden[0, 1 : size or block_size])  # the anchor's output is dropped
+        return self._logits(hidden[0, used]), None
 
     @torch.no_grad()
     def propose(self, anchor, context, start, block_size, size=None, params=GREEDY, generator=None):
         """`Proposer.propose`; by default the whole block, greedily."""
-        logits = self.logits(anchor, context, start, block_size, size)
+        logits, tokens = self._pass(anchor, context, start, block_size, size)
         self.proposed = True
+        if params.greedy and tokens is not None:
+            return tokens, None
         return draft_tokens(logits, self.vocab_ids, params, generator, self.target.vocab_size)
 
     def observe(self, tokens: list[int]) -> list[str]:

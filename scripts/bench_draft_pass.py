@@ -8,6 +8,7 @@ finds its weights evicted by the other as in decoding. Reports the least and the
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_draft_pass.py     # threads that sleep at once
     python scripts/bench_draft_pass.py --warm                      # also passes back to back (weights in cache)
     python scripts/bench_draft_pass.py --step-by-step              # an 8-bit draft's layers operator by operator
+    python scripts/bench_draft_pass.py --layers-only               # its layers native, the rest of the pass in torch
 
 Like the CLI, it chooses how torch's threads wait before torch loads (`choose_thread_waiting`) and prints the
 choice. Pause background work first: it times.
@@ -40,6 +41,9 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="also time passes back to back, weights in cache")
     parser.add_argument("--step-by-step", action="store_true",
                         help="run an 8-bit draft's layers operator by operator, not one native call each")
+    parser.add_argument("--layers-only", action="store_true",
+                        help="run an 8-bit draft's layers in one native call each, the rest of its pass in torch "
+                             "(not the whole pass in one call)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -50,6 +54,8 @@ def main() -> None:
     proposer = DFlashProposer(draft, target)
     if args.step_by_step and proposer.on_engine:
         proposer.forward.use_native_layers = False
+    if args.layers_only and proposer.on_engine:
+        proposer.forward.use_whole_pass = False
     context, block = args.context, draft.block_size
     features = torch.randn(1, context + 1, len(draft.target_layer_ids) * target.hidden_size)
     anchor = torch.tensor([5])
@@ -77,8 +83,9 @@ def main() -> None:
             times[name].append(time.perf_counter() - began)
     waiting = ", ".join(f"{name}={os.environ[name]}" for name in WAITING_VARIABLES if name in os.environ)
     forward = proposer.forward
-    layers = ("one native call a layer" if proposer.on_engine and forward.native_layers and forward.use_native_layers
-              else "layers operator by operator")
+    native_layers = proposer.on_engine and forward.native_layers and forward.use_native_layers
+    layers = ("the whole pass in one native call" if native_layers and forward.use_whole_pass else
+              "one native call a layer" if native_layers else "layers operator by operator")
     arithmetic = ("8-bit integer" if getattr(forward, "int8", None) else
                   "bfloat16" if getattr(forward, "bf16_dot", False) else "float32")
     print(f"{args.target}, draft {args.draft or 'shipped'} (block {block}, {arithmetic} arithmetic, "

@@ -449,6 +449,44 @@ def test_an_8_bit_draft_runs_each_layer_in_one_native_call_with_the_same_result(
     assert full.length == 62
 
 
+@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above covers its absence)")
+@pytest.mark.parametrize("drafting_vocabulary", [False, True])
+def test_an_8_bit_drafts_whole_pass_is_one_native_call_with_the_same_proposals(monkeypatch, drafting_vocabulary):
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()
+    if drafting_vocabulary:
+        draft.set_draft_vocab(torch.randperm(96, generator=torch.Generator().manual_seed(2))[:64])
+    calls = []
+    whole = native.unchecked_draft_block
+    monkeypatch.setattr(native, "unchecked_draft_block",
+                        lambda *args, **kwargs: calls.append(1) or whole(*args, **kwargs))
+    proposers = {name: DFlashProposer(draft, target) for name in ("whole", "layers")}
+    proposers["layers"].forward.use_whole_pass = False  # the layers one call each, the rest in torch
+    features = torch.randn(1, 12, len(draft.target_layer_ids) * 128, generator=torch.Generator().manual_seed(3))
+    for proposer in proposers.values():
+        proposer.begin(32)
+    start = 0
+    for round_, width in enumerate((9, 1, 2)):  # a prompt's context, then rounds of accepted positions
+        anchor, size = torch.tensor([11 + round_]), (4, 3, 2)[round_]
+        outputs = {name: (proposer.logits(anchor, features[:, start : start + width], start + width, 4, size),
+                          proposer.propose(anchor, features[:, start : start + width], start + width, 4, size))
+                   for name, proposer in proposers.items()}
+        for proposer in proposers.values():
+            assert proposer.cache.length == start + 2 * width  # each call kept its context: the second repeats it
+            proposer.cache.crop(-width)
+        (logits, (tokens, q)), (expected_logits, (expected_tokens, _)) = outputs["whole"], outputs["layers"]
+        assert torch.equal(logits, expected_logits) and logits.shape == (size - 1, 64 if drafting_vocabulary else 96)
+        assert torch.equal(tokens, expected_tokens) and q is None
+        if drafting_vocabulary:
+            assert set(tokens.tolist()) <= set(draft.draft_vocab_ids.tolist())
+        start += width
+    assert len(calls) == 6  # every pass of the first proposer, none of the second's
+    for layer in range(2):
+        assert torch.equal(proposers["whole"].cache.keys[layer][..., :start, :],
+                           proposers["layers"].cache.keys[layer][..., :start, :])
+
+
 def test_speculative_decoding_with_a_bfloat16_draft_pass_stays_exact():
     model = tiny_target("qwen3")
     draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()

@@ -557,3 +557,87 @@ def test_a_native_layer_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match=r"hidden \[q, 128\]"):
         native.decoder_layer(layer, cache, cache.clone(), torch.zeros(4, 64), torch.zeros(3, 128), tables, tables, 0,
                              1e-6)
+
+
+def _draft(generator: torch.Generator, form: str, layers: int = 2, vocab: int = 96, feature_size: int = 384):
+    """`pack_draft`'s arguments with random values (the layers as `_layer` makes them), and the layers' parts."""
+    parts = [_layer(generator, form) for _ in range(layers)]
+
+    def weight(rows, columns):
+        values = torch.randn(rows, columns, generator=generator) * 0.05
+        return native.pack_int8(values) if form == "int8" else values
+
+    return dict(layers=[native.pack_layer(**p) for p in parts], fc=weight(128, feature_size),
+                hidden_norm=1 + 0.1 * torch.randn(128, generator=generator),
+                norm=1 + 0.1 * torch.randn(128, generator=generator), head=weight(vocab, 128),
+                embedding=torch.randn(200, 128, generator=generator)), parts
+
+
+@pytest.mark.parametrize("form, parallel, vocab_ids", [("float32", 0, False), ("int8", 127, True),
+                                                        ("int8", 0, False)])
+def test_a_native_draft_pass_is_its_steps_in_order(form, parallel, vocab_ids):
+    if not native.available() or (form == "int8" and not native.int8_dot_available()):
+        pytest.skip("needs the native kernel (and AVX512_VNNI for 8-bit products)")
+    generator = torch.Generator().manual_seed(parallel)
+    arguments, parts = _draft(generator, form)
+    draft = native.pack_draft(**arguments)
+    eps, block, width, start, capacity = 1e-6, 4, 3, 5, 16
+    keys, values = torch.randn(2, 2, 2, capacity, 64, generator=generator)
+    features = torch.randn(width, 384, generator=generator)
+    cos, sin = torch.randn(2, width + block, 64, generator=generator)
+    ids = [7, 199, 199, 199]
+    columns = torch.randperm(1000, generator=generator)[:96] if vocab_ids else None
+    # step by step, on the same kernels
+    hidden = arguments["embedding"][ids].clone()
+    context = native.rms_norm(_product(features, arguments["fc"]), arguments["hidden_norm"], eps)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    for layer, index in zip(arguments["layers"], range(2)):
+        native.decoder_layer(layer, expected_keys[index], expected_values[index], hidden, context, cos, sin, start,
+                             eps, causal=False)
+    logits = _product(native.rms_norm(hidden[1:4], arguments["norm"], eps), arguments["head"])
+    tokens = logits.argmax(-1)
+    logits_ours, tokens_ours = native.draft_block(draft, list(keys), list(values), ids, features, cos, sin, start,
+                                                  eps, 1, 3, columns, parallel)
+    assert torch.equal(logits_ours, logits)
+    assert torch.equal(tokens_ours, columns[tokens] if vocab_ids else tokens)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+
+
+@requires_native
+def test_a_native_draft_pass_takes_the_first_of_equal_largest_logits():
+    arguments, _ = _draft(torch.Generator().manual_seed(1), "float32", vocab=40)
+    head = torch.zeros(40, 128)
+    head[[3, 17, 33], 0], head[[5, 21], 0] = 1.0, -1.0  # equal largest logits at 3, 17, 33 or at 5, 21: the first
+    draft = native.pack_draft(**{**arguments, "head": head})
+    cache = [torch.zeros(2, 16, 64) for _ in range(2)]
+    logits, tokens = native.draft_block(draft, cache, [c.clone() for c in cache], [1, 2], torch.zeros(1, 384),
+                                        *torch.zeros(2, 3, 64), 0, 1e-6, 0, 2)
+    assert (logits[:, 3] != 0).all() and torch.equal(logits[:, 3], logits[:, 33])
+    assert tokens.tolist() == [3 if logits[row, 3] > 0 else 5 for row in range(2)] == logits.argmax(-1).tolist()
+
+
+@requires_native
+def test_a_native_draft_pass_refuses_what_it_cannot_compute():
+    arguments, _ = _draft(torch.Generator().manual_seed(2), "float32")
+    with pytest.raises(ValueError, match=r"head must be \(128, 128\) .* not float32 \(128, 96\)"):
+        native.pack_draft(**{**arguments, "head": arguments["head"].T.contiguous()})
+    with pytest.raises(ValueError, match=r"embedding must be float32"):
+        native.pack_draft(**{**arguments, "embedding": arguments["embedding"].double()})
+    with pytest.raises(ValueError, match="the same shapes"):
+        native.pack_draft(**{**arguments, "layers": [arguments["layers"][0],
+                                                     native.pack_layer(**_layer(torch.Generator(), "float32", d=64))]})
+    draft = native.pack_draft(**arguments)
+    cache = [torch.zeros(2, 16, 64) for _ in range(2)]
+    tables, context = torch.zeros(7, 64), torch.zeros(3, 384)
+
+    def call(ids=(1, 2, 3, 4), features=context, start=9, first=1, rows=3, keys=cache, columns=None):
+        return native.draft_block(draft, keys, [c.clone() for c in keys], list(ids), features, tables, tables,
+                                  start, 1e-6, first, rows, columns)
+
+    call()  # the window fills the caches to their end
+    for wrong in (dict(start=10), dict(ids=(1, 2, 3, 200)), dict(first=2), dict(rows=0),
+                  dict(features=torch.zeros(3, 128)), dict(keys=cache[:1] * 2 + [torch.zeros(2, 16, 32)])):
+        with pytest.raises(ValueError, match="draft_block takes"):
+            call(**wrong)
+    with pytest.raises(ValueError, match=r"vocab_ids must be int64 \[96\]"):
+        call(columns=torch.arange(95))

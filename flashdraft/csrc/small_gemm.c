@@ -721,15 +721,17 @@ static void layer_product(const float *x, const layer_weight *w, float *y, long 
  * malloc'd and freed every call was returned to the system and faulted in again page by page (~0.1 ms a layer).
  * On cache lines, each part too: a product's input rows are read once per weight tile, and vectors that straddle
  * two lines cost two loads (a step of 8 rows was slower than torch's 64-byte-aligned tensors). */
-static float *layer_scratch(size_t floats) {
-    static __thread float *buffer = NULL;
-    static __thread size_t held = 0;
-    if (floats > held) {
-        free(buffer);
-        buffer = aligned_alloc(64, sizeof(float) * floats);
-        held = floats;
+enum { LAYER_SCRATCH, PASS_SCRATCH, SCRATCHES }; /* a layer's intermediates; a whole draft pass's, around them */
+
+static float *scratch(int slot, size_t floats) {
+    static __thread float *buffers[SCRATCHES];
+    static __thread size_t held[SCRATCHES];
+    if (floats > held[slot]) {
+        free(buffers[slot]);
+        buffers[slot] = aligned_alloc(64, sizeof(float) * ((floats + LANES - 1) / LANES * LANES));
+        held[slot] = floats;
     }
-    return buffer;
+    return buffers[slot];
 }
 
 static void add_into(float *h, const float *update, long count) {
@@ -746,7 +748,7 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
     float *parts[7];
     size_t total = 0;
     for (int i = 0; i < 7; i++) total += (sizes[i] + LANES - 1) / LANES * LANES;
-    parts[0] = layer_scratch(total);
+    parts[0] = scratch(LAYER_SCRATCH, total);
     for (int i = 1; i < 7; i++) parts[i] = parts[i - 1] + (sizes[i - 1] + LANES - 1) / LANES * LANES;
     float *window = parts[0], *qkv = parts[1], *qk = parts[2], *attended = parts[3], *update = parts[4];
     float *gate_up = parts[5], *activated = parts[6];
@@ -773,4 +775,56 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
     swiglu(gate_up, activated, block, features);
     layer_product(activated, &layer->down, update, block, features, parallel >> 3 & 1);
     add_into(h, update, block * d);
+}
+
+/* A DFlash draft's whole pass in one call, for one sequence (where Python's operators around the layers cost a
+ * quarter of the pass, more once a target step has evicted the interpreter's own data from the caches): the
+ * block's input embeddings (rows `block_ids` of the target's `embedding`), the new context (the target's features
+ * [width, feature_size] through `fc`, then `hidden_norm`), the draft's layers (`decoder_layer`, non-causal, their
+ * caches `keys[i]`/`values[i]`), the final norm of the block's rows first..first+rows-1, the head over them into
+ * `logits` [rows, V], and each row's first largest logit into `tokens` (as an id of `vocab_ids` where given: a
+ * drafting vocabulary's columns). The same kernels in the same order as the pass operator by operator.
+ * `parallel`: the layers' bits (`decoder_layer`), 32 fc, 64 the head. */
+typedef struct {
+    const decoder_layer_weights *layers;
+    long num_layers;
+    layer_weight fc, head;
+    const float *hidden_norm, *norm, *embedding;
+} draft_weights;
+
+static long first_largest(const float *row, long count) { /* NaNs never win (numpy's argmax picks the first) */
+    float largest = row[0];
+    long v = 0;
+    if (count >= LANES) {
+        vec best = load(row);
+        for (v = LANES; v + LANES <= count; v += LANES) best = lanes_max(best, load(row + v));
+        largest = lane_max(best);
+    }
+    for (; v < count; v++) largest = row[v] > largest ? row[v] : largest;
+    for (v = 0; v < count; v++)
+        if (row[v] == largest) return v;
+    return 0;
+}
+
+static long padded(long floats) { return (floats + LANES - 1) / LANES * LANES; }
+
+void draft_block(const draft_weights *draft, float *const *keys, float *const *values, const long *block_ids,
+                 const float *features, long feature_size, long width, long block, long d, long heads,
+                 long kv_heads, long head_dim, const float *cos, const float *sin, long capacity, long start,
+                 float eps, int parallel, long first, long rows, float *logits, const long *vocab_ids, long *tokens) {
+    const long spare = padded((width > block ? width : block) * d);
+    float *h = scratch(PASS_SCRATCH, (size_t)(padded(block * d) + spare + padded(width * d)));
+    float *spare_rows = h + padded(block * d), *context = spare_rows + spare;
+    for (long m = 0; m < block; m++) memcpy(h + m * d, draft->embedding + block_ids[m] * d, sizeof(float) * (size_t)d);
+    layer_product(features, &draft->fc, spare_rows, width, feature_size, parallel >> 5 & 1);
+    rms_norm(spare_rows, d, draft->hidden_norm, 1, context, width, d, eps);
+    for (long i = 0; i < draft->num_layers; i++)
+        decoder_layer(&draft->layers[i], keys[i], values[i], h, context, width, block, d, heads, kv_heads, head_dim,
+                      cos, sin, capacity, start, eps, 0, parallel & 31);
+    rms_norm(h + first * d, d, draft->norm, 1, spare_rows, rows, d, eps);
+    layer_product(spare_rows, &draft->head, logits, rows, d, parallel >> 6 & 1);
+    for (long m = 0; m < rows; m++) {
+        const long best = first_largest(logits + m * draft->head.rows, draft->head.rows);
+        tokens[m] = vocab_ids != NULL ? vocab_ids[best] : best;
+    }
 }
