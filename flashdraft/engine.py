@@ -167,6 +167,13 @@ def _foreign_hooks(module: nn.Module) -> list:
     return [hook for hook in hooks if not getattr(hook, "__module__", "").startswith("transformers.")]
 
 
+def _leading(padding: torch.Tensor) -> torch.Tensor | None:
+    """[b, n] bool padding -> int64 [b] how many positions each row's padding takes, where all of it leads the
+    row (left padding); None where some row has padding after a token."""
+    counts = padding.sum(dim=1)
+    return counts if torch.equal(padding, torch.arange(padding.shape[1])[None] < counts[:, None]) else None
+
+
 class EngineCache:
     """The target's K/V for every layer in preallocated tensors: rows [b, kv_heads, capacity, head_dim] per layer,
     filled up to `length`. Rolling back is lowering the length; capacity doubles when a forward needs more.
@@ -178,6 +185,7 @@ class EngineCache:
         self.keys: torch.Tensor | None = None  # [layers, b, kv_heads, capacity, head_dim]
         self.values: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
+        self.leading_padding: torch.Tensor | None = None  # int64 [b]: each row's padding, where it all leads
         self.length = 0
         # By position (sequences of different lengths decoded together, `flashdraft.batching`): each row keeps a
         # token's K/V at the token's own position and a query sees the positions up to its own, so rows need no
@@ -226,6 +234,8 @@ class EngineCache:
         self.keys, self.values = self.keys[:, rows], self.values[:, rows]
         if self.padding is not None:
             self.padding = self.padding[rows]
+        if self.leading_padding is not None:
+            self.leading_padding = self.leading_padding[rows].contiguous()
 
     def row_kv(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s K/V at positions 0..length-1: two [layers, kv_heads, length, head_dim] views."""
@@ -560,6 +570,7 @@ class Engine:
             if cache.padding is None:
                 cache.padding = torch.zeros(batch, cache.capacity, dtype=torch.bool)
             cache.padding[:, start:end] = padding
+            cache.leading_padding = _leading(padding) if start == 0 else None
         heads, kv_heads, head_dim, eps = self.num_heads, self.kv_heads, self.head_dim, self.eps
         rows = batch * n
         cos, sin = self.rotary(int(position_ids.max()) + 1)
@@ -572,13 +583,19 @@ class Engine:
                             and n <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"])
         parallel = threads and attention_key_reads(batch, n, heads, kv_heads, end) >= PARALLEL_KEY_READS
         h = F.embedding(input_ids, self.embed).view(rows, -1)
-        native_layers = (native_attention and batch == 1 and self.native_layers is not None and self.use_native_layers
+        # Each layer one native call: one sequence, or a batch's decoding steps (a left-padded row's keys begin
+        # after its padding, so each row gets what it gets alone), every product on the native kernel.
+        native_layers = (self.native_layers is not None and self.use_native_layers and start is not None
+                         and n <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"]
+                         and (cache.padding is None or (padding is None and cache.leading_padding is not None))
                          and all(self.kernels.product(kind, rows) in NATIVE_PRODUCTS for kind in LAYER_KINDS))
-        if native_layers:  # each layer one native call
+        if native_layers:
             bits = _parallel_bits(self.kernels, rows, rows, parallel)
+            first_key = cache.leading_padding if cache.padding is not None else None
             for index, layer in enumerate(self.native_layers):
-                native.decoder_layer(layer, cache.keys[index][0], cache.values[index][0], h, None,
-                                     cos.view(rows, head_dim), sin.view(rows, head_dim), start, eps, parallel=bits)
+                native.unchecked_decoder_layer(layer, cache.keys[index], cache.values[index], h, None,
+                                               cos.view(rows, head_dim), sin.view(rows, head_dim), start, eps,
+                                               parallel=bits, first_key=first_key, batch=batch)
                 if index in wanted:
                     collected.append(h.clone())  # h changes in place
         for index, layer in enumerate(() if native_layers else self.layers):  # else operator by operator

@@ -105,11 +105,11 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
     loaded.norm_rotary.restype = None
     loaded.swiglu.restype = None
-    loaded.causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_float]
+    loaded.causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_void_p, ctypes.c_float]
                                         + [ctypes.c_int] * 2)
     loaded.causal_attention.restype = None
-    loaded.decoder_layer.argtypes = ([ctypes.POINTER(_DecoderLayer)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
-                                     + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_float]
+    loaded.decoder_layer.argtypes = ([ctypes.POINTER(_DecoderLayer)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+                                     + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_float]
                                      + [ctypes.c_int] * 2)
     loaded.decoder_layer.restype = None
     loaded.draft_block.argtypes = ([ctypes.POINTER(_DraftWeights)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
@@ -450,34 +450,61 @@ def pack_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qk_norm: torch
 
 def decoder_layer(layer: DecoderLayer, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
                   context: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor, start: int, eps: float,
-                  causal: bool = True, parallel: int = 0) -> None:
+                  causal: bool = True, parallel: int = 0, first_key: torch.Tensor | None = None) -> None:
     """One decoder layer in a single native call, for the few rows of a decoding step: `hidden` [q, d] (updated in
     place) over the window [context ; hidden] (`context` [w, d], already normalized rows that give keys and values
     but no queries: a DFlash draft's new context; None for a target), whose keys and values go to the layer's cache
     `keys`/`values` [kv_heads, capacity, head_dim] at positions start..start+w+q-1; each query attends over the cache
     up to its own position (`causal`) or to the window's end (a draft's block). `cos`/`signed_sin` [w + q, head_dim]
     (`RotaryTables` rows of the window's positions). Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4
-    gate/up, 8 down, 16 attention. The same result, bit for bit, as the same kernels called one by one."""
+    gate/up, 8 down, 16 attention. The same result, bit for bit, as the same kernels called one by one.
+
+    Several sequences at once (a batch, without a context): a cache [b, kv_heads, capacity, head_dim], `hidden`
+    [b * q, d] (each sequence's q rows in turn), tables [b * q, head_dim], and `first_key` (int64 [b], or None for
+    0) the first cache position each sequence sees, after its left padding: each row's result is the one it gets
+    alone."""
     library = _build()[0]
     if library is None:
         raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
     d, kv_heads, head_dim = layer.hidden_size, layer.kv_heads, layer.head_dim
     if context is None:
         context = hidden[:0]
-    block, width = hidden.shape[0], context.shape[0]
-    capacity = keys.shape[1]
+    batch = keys.shape[0] if keys.dim() == 4 else 1
+    rows, width, capacity = hidden.shape[0], context.shape[0], keys.shape[-2]
+    block = rows // batch
     tensors = (keys, values, hidden, context, cos, signed_sin)
     if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
-            or hidden.shape != (block, d) or context.shape != (width, d) or keys.shape != values.shape
-            or keys.shape != (kv_heads, capacity, head_dim) or cos.shape != signed_sin.shape
-            or cos.shape != (width + block, head_dim) or start < 0 or start + width + block > capacity):
+            or hidden.shape != (batch * block, d) or context.shape != (width, d) or (batch > 1 and width)
+            or keys.shape != values.shape or keys.shape[-3:] != (kv_heads, capacity, head_dim)
+            or cos.shape != signed_sin.shape or cos.shape != (width + rows, head_dim) or start < 0
+            or start + width + block > capacity):
         raise ValueError(f"decoder_layer takes contiguous float32 CPU hidden [q, {d}], context [w, {d}], a cache "
                          f"[{kv_heads}, capacity, {head_dim}] with room for the window at {start}, and tables [w + q, "
-                         f"{head_dim}]; not {tuple(hidden.shape)}, {tuple(context.shape)}, {tuple(keys.shape)}, "
-                         f"{tuple(cos.shape)}")
-    library.decoder_layer(ctypes.byref(layer.table), keys.data_ptr(), values.data_ptr(), hidden.data_ptr(),
-                          context.data_ptr(), width, block, d, layer.heads, kv_heads, head_dim, cos.data_ptr(),
-                          signed_sin.data_ptr(), capacity, start, eps, int(causal), parallel)
+                         f"{head_dim}] (or for b sequences without a context, hidden [b * q, {d}], a cache [b, "
+                         f"{kv_heads}, capacity, {head_dim}] and tables [b * q, {head_dim}]); not "
+                         f"{tuple(hidden.shape)}, {tuple(context.shape)}, {tuple(keys.shape)}, {tuple(cos.shape)}")
+    if first_key is not None and (first_key.dtype != torch.int64 or tuple(first_key.shape) != (batch,)
+                                  or not first_key.is_contiguous() or bool((first_key < 0).any())
+                                  or bool((first_key > start).any())):
+        raise ValueError(f"decoder_layer's first_key must be int64 [{batch}], each between 0 and the window's start "
+                         f"{start}, not {first_key.dtype} {tuple(first_key.shape)}")
+    unchecked_decoder_layer(layer, keys, values, hidden, context, cos, signed_sin, start, eps, causal, parallel,
+                            first_key, batch)
+
+
+def unchecked_decoder_layer(layer: DecoderLayer, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+                            context: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor, start: int,
+                            eps: float, causal: bool = True, parallel: int = 0, first_key: torch.Tensor | None = None,
+                            batch: int = 1) -> None:
+    """`decoder_layer` without its checks, for a caller that guarantees them: the engine, whose caches and tables
+    have that layout by construction."""
+    rows = hidden.shape[0]
+    width = context.shape[0] if context is not None else 0
+    _build()[0].decoder_layer(ctypes.byref(layer.table), keys.data_ptr(), values.data_ptr(), hidden.data_ptr(),
+                              context.data_ptr() if context is not None else None, batch, width, rows // batch,
+                              layer.hidden_size, layer.heads, layer.kv_heads, layer.head_dim, cos.data_ptr(),
+                              signed_sin.data_ptr(), keys.shape[-2], start,
+                              first_key.data_ptr() if first_key is not None else None, eps, int(causal), parallel)
 
 
 class _DraftWeights(ctypes.Structure):
@@ -704,7 +731,7 @@ def unchecked_causal_attention(queries: torch.Tensor, keys: torch.Tensor, values
     out = torch.empty(rows, heads * head_dim)
     _build()[0].causal_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), batch,
                                  rows // batch, heads, kv_heads, head_dim, queries.stride(0), capacity, start,
-                                 head_dim ** -0.5, int(causal), int(parallel))
+                                 None, head_dim ** -0.5, int(causal), int(parallel))
     return out
 
 

@@ -10,7 +10,8 @@ each measured interleaved in one run.
    same engine reading every weight as float32 (`FLASHDRAFT_PACKED=0`, a separately loaded copy of the model).
 3. The draft pass (the shipped draft at its block size) against the engine's T(1).
 4. Regeneration (`TargetModel.generate_batch`, batches of 8 prompts, greedy): response tokens per CPU-second of
-   this process, engine against transformers.
+   this process, engine against transformers, and the engine's decoding steps with each layer one native call (the
+   default) against the same operator by operator.
 Like the CLI, it chooses how torch's threads wait before torch loads (`flashdraft.files.choose_thread_waiting`);
 it prints the choice. Prints Markdown.
 """
@@ -148,16 +149,22 @@ def main() -> None:
             produced[name] = sum(len(a) for a in answers)
         return run
 
+    # The engine's decoding steps with each layer one native call (the default), and operator by operator.
+    forms = {"transformers": (reference, True), "flashdraft engine": (target, True),
+             "flashdraft engine, layers operator by operator": (target, False)}
     cpu = {}
-    for name, adapter in (("transformers", reference), ("flashdraft", target), ("transformers", reference),
-                          ("flashdraft", target)):
+    for name in [*forms] * 2:
+        adapter, native_layers = forms[name]
+        target.engine.use_native_layers = native_layers
         began = time.process_time()
         regenerate(adapter, name)()
         cpu.setdefault(name, []).append(produced[name] / (time.process_time() - began))
+    target.engine.use_native_layers = True
     rates = {name: statistics.mean(values) for name, values in cpu.items()}
     print(f"\n| regeneration ({len(batch)} prompts x {args.regenerate_tokens} tokens, batches of 8) | response tokens "
-          f"per CPU-second |\n|---|---:|\n| transformers | {rates['transformers']:.1f} |\n| flashdraft engine | "
-          f"{rates['flashdraft']:.1f} |\n| **ratio** | **{rates['flashdraft'] / rates['transformers']:.2f}x** |")
+          f"per CPU-second | / transformers |\n|---|---:|---:|")
+    for name, rate in rates.items():
+        print(f"| {name} | {rate:.1f} | **{rate / rates['transformers']:.2f}x** |")
 
 
 if __name__ == "__main__":

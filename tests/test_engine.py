@@ -117,8 +117,8 @@ def test_a_decoding_steps_layers_run_as_one_native_call_each_with_the_same_resul
     engine = Engine(model)
     engine.kernels = uniform(kernel)
     calls = []
-    decoder_layer = native.decoder_layer
-    monkeypatch.setattr(native, "decoder_layer", lambda *args, **kwargs: calls.append(1) or decoder_layer(
+    decoder_layer = native.unchecked_decoder_layer
+    monkeypatch.setattr(native, "unchecked_decoder_layer", lambda *args, **kwargs: calls.append(1) or decoder_layer(
         *args, **kwargs))
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(40)[None]
@@ -139,13 +139,65 @@ def test_a_decoding_steps_layers_run_as_one_native_call_each_with_the_same_resul
         assert torch.equal(caches[True].values[layer][:, :, :34], caches[False].values[layer][:, :, :34])
     engine.use_native_layers = True
     calls.clear()
-    batch = engine.new_cache()
-    engine.forward(ids[:, :20], positions[:, :20].expand(2, -1), batch)
-    engine.forward(ids[:, 20:21], positions[:, 20:21].expand(2, -1), batch)  # two sequences: operators
-    assert calls == []
     engine.kernels = uniform("torch")  # a product off the native kernel: operators
     engine.forward(ids[:1, 20:21], positions[:, 20:21], caches[True])
     assert calls == []
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
+@pytest.mark.parametrize("kernel", ["native", "native-parallel"])
+def test_a_left_padded_batchs_steps_run_natively_each_row_as_it_runs_alone(monkeypatch, kernel):
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)
+    engine = Engine(model)
+    engine.kernels = uniform(kernel)
+    calls = []
+    decoder_layer = native.unchecked_decoder_layer
+    monkeypatch.setattr(native, "unchecked_decoder_layer", lambda *args, **kwargs: calls.append(1) or decoder_layer(
+        *args, **kwargs))
+    generator = torch.Generator().manual_seed(6)
+    lengths, width = (23, 30, 17), 30  # prompts longer than a native step: every prefill runs the operators
+    prompts = [torch.randint(0, 96, (1, length), generator=generator) for length in lengths]
+    alone = [engine.new_cache() for _ in lengths]
+    for prompt, cache in zip(prompts, alone):
+        engine.forward(prompt, torch.arange(prompt.shape[1])[None], cache)
+    padding = torch.arange(width)[None] < torch.tensor([width - length for length in lengths])[:, None]
+    ids = torch.zeros(3, width, dtype=torch.long)
+    ids[~padding] = torch.cat([prompt[0] for prompt in prompts])
+    positions = (torch.cumsum(~padding, dim=1) - 1).clamp(min=0)
+    batch = engine.new_cache()
+    engine.forward(ids, positions, batch, padding=padding)
+    assert calls == [] and batch.leading_padding.tolist() == [7, 0, 13]
+    for row, (cache, length) in enumerate(zip(alone, lengths)):  # the rows' own keys, so that steps compare exactly
+        batch.keys[:, row, :, width - length : width] = cache.keys[:, 0, :, :length]
+        batch.values[:, row, :, width - length : width] = cache.values[:, 0, :, :length]
+    operators = engine.new_cache()
+    engine.use_native_layers = False
+    engine.forward(ids, positions, operators, padding=padding)
+    engine.use_native_layers = True
+    for step in range(3):
+        tokens = torch.randint(0, 96, (3, 1), generator=generator)
+        at = torch.tensor(lengths)[:, None] + step
+        calls.clear()
+        logits, _ = engine.forward(tokens, at, batch)
+        assert len(calls) == 4  # one native call a layer for the whole batch
+        for row, cache in enumerate(alone):
+            expected, _ = engine.forward(tokens[row : row + 1], at[row : row + 1], cache)
+            assert torch.equal(logits[row], expected[0])
+        engine.use_native_layers = False
+        by_operators, _ = engine.forward(tokens, at, operators)  # torch's masked attention: the same within rounding
+        engine.use_native_layers = True
+        torch.testing.assert_close(logits, by_operators, rtol=1e-4, atol=1e-4)
+    batch.select_rows(torch.tensor([2, 0]))  # rows that finish leave, with their padding
+    assert batch.leading_padding.tolist() == [13, 7]
+    calls.clear()
+    logits, _ = engine.forward(torch.tensor([[5], [6]]), torch.tensor([[20], [26]]), batch)
+    assert len(calls) == 4
+    assert torch.equal(logits[0], engine.forward(torch.tensor([[5]]), torch.tensor([[20]]), alone[2])[0][0])
+    inner = engine.new_cache()  # padding that does not lead its row: the operators' mask
+    engine.forward(ids[:2, :4], positions[:2, :4], inner, padding=torch.tensor([[True, False, True, False]] * 2))
+    calls.clear()
+    engine.forward(ids[:2, 4:5], positions[:2, 4:5], inner)
+    assert inner.leading_padding is None and calls == []
 
 
 def test_rollback_is_a_length():

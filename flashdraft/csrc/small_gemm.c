@@ -513,12 +513,13 @@ static inline __attribute__((always_inline)) void attend_tile(const int MQ, cons
  * head_dim]: query i of each row sits at position start + i and sees keys 0..start+i (a block sees the cache and
  * itself up to its own position), or with `causal` 0 every key up to start+n-1 (a DFlash draft's block, which sees
  * all of itself); query head h reads key/value head h / (heads / kv_heads). Queries [batch * n,
- * heads, head_dim] with `query_stride` floats between rows; out [batch * n, heads * head_dim]. The work goes in
+ * heads, head_dim] with `query_stride` floats between rows; out [batch * n, heads * head_dim]. `first_key`
+ * [batch] (or NULL: all 0): the first key each row sees, after its left padding. The work goes in
  * tiles of up to TILE_QUERIES (query, head) pairs of one key/value head, shared among threads when `parallel`.
  * head_dim must be 64 or 128. */
 void causal_attention(const float *q, const float *k, const float *v, float *out, long batch, long n, long heads,
-                      long kv_heads, long head_dim, long query_stride, long capacity, long start, float scale,
-                      int causal, int parallel) {
+                      long kv_heads, long head_dim, long query_stride, long capacity, long start, const long *first_key,
+                      float scale, int causal, int parallel) {
     const long group = heads / kv_heads, per_head = n * group; /* the queries of one key/value head */
     const long tiles_per_head = (per_head + TILE_QUERIES - 1) / TILE_QUERIES;
     const long tiles = batch * kv_heads * tiles_per_head;
@@ -536,8 +537,12 @@ void causal_attention(const float *q, const float *k, const float *v, float *out
             outs[r] = out + (row * heads + h) * head_dim;
             limits[r] = causal ? start + i + 1 : start + n;
         }
-        const float *keys = k + (b * kv_heads + kv) * capacity * head_dim;
-        const float *values = v + (b * kv_heads + kv) * capacity * head_dim;
+        /* A left-padded row's keys begin at its first token: the padding is never read, and the row's sums run
+         * in the same chunks as the row's alone would. */
+        const long begin = first_key != NULL ? first_key[b] : 0;
+        for (int r = 0; r < count; r++) limits[r] -= begin;
+        const float *keys = k + ((b * kv_heads + kv) * capacity + begin) * head_dim;
+        const float *values = v + ((b * kv_heads + kv) * capacity + begin) * head_dim;
         const int shape = count * 10 + (int)(head_dim / LANES); /* one compiled copy per (queries, head_dim) */
         switch (shape) {
         case 44: attend_tile(4, 4, queries, keys, values, outs, limits, scale); break;
@@ -695,7 +700,10 @@ void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, c
  * layer's cache [kv_heads, capacity, head_dim] at positions start..start+width+block-1, h's queries attend over the
  * cache up to their own position (`causal`) or to the window's end (a draft's block), then h += o(attended),
  * h += down(swiglu(gate_up(RMSNorm(h)))). The same kernels in the same order as the operator-by-operator pass: the
- * same result bit for bit. Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16 attention. */
+ * same result bit for bit. Several sequences (`batch`, without a context): h holds each one's block in turn, the
+ * cache [batch, kv_heads, capacity, head_dim], `cos`/`sin` a row per window row, and `first_key` [batch] (or NULL)
+ * the first cache position each sequence sees (after its left padding): each row's result is the one it would get
+ * alone. Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16 attention. */
 typedef struct { /* a product's weight in a form the kernels read */
     int format;          /* 0 float32 [rows, K]; BF16, Q8_0, Q4_1 packed exactly; INT8 8-bit codes (a draft's) */
     const void *data;
@@ -739,12 +747,14 @@ static void add_into(float *h, const float *update, long count) {
 }
 
 void decoder_layer(const decoder_layer_weights *layer, float *keys, float *values, float *h, const float *context,
-                   long width, long block, long d, long heads, long kv_heads, long head_dim, const float *cos,
-                   const float *sin, long capacity, long start, float eps, int causal, int parallel) {
-    const long n = width + block, qk_heads = heads + kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
-    const long features = layer->gate_up.rows / 2;
-    const size_t sizes[7] = {n * d, n * qkv_width, n * qk_heads * head_dim, block * heads * head_dim, block * d,
-                             block * 2 * features, block * features};
+                   long batch, long width, long block, long d, long heads, long kv_heads, long head_dim,
+                   const float *cos, const float *sin, long capacity, long start, const long *first_key, float eps,
+                   int causal, int parallel) {
+    /* rows: the block's of every sequence; n: the window's (a context joins one sequence's block only) */
+    const long rows = batch * block, n = width + rows, qk_heads = heads + kv_heads;
+    const long qkv_width = (heads + 2 * kv_heads) * head_dim, features = layer->gate_up.rows / 2;
+    const size_t sizes[7] = {n * d, n * qkv_width, n * qk_heads * head_dim, rows * heads * head_dim, rows * d,
+                             rows * 2 * features, rows * features};
     float *parts[7];
     size_t total = 0;
     for (int i = 0; i < 7; i++) total += (sizes[i] + LANES - 1) / LANES * LANES;
@@ -753,28 +763,31 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
     float *window = parts[0], *qkv = parts[1], *qk = parts[2], *attended = parts[3], *update = parts[4];
     float *gate_up = parts[5], *activated = parts[6];
     memcpy(window, context, sizeof(float) * (size_t)(width * d));
-    rms_norm(h, d, layer->input_norm, 1, window + width * d, block, d, eps);
+    rms_norm(h, d, layer->input_norm, 1, window + width * d, rows, d, eps);
     layer_product(window, &layer->qkv, qkv, n, d, parallel & 1);
     if (layer->qkv_bias != NULL)
         for (long m = 0; m < n; m++) add_into(qkv + m * qkv_width, layer->qkv_bias, qkv_width);
     norm_rotary(qkv, qkv_width, layer->qk_norm, qk_heads, eps, cos, sin, qk, n, head_dim);
-    for (long m = 0; m < n; m++)
+    for (long m = 0; m < n; m++) {
+        const long b = m / (width + block), position = start + m % (width + block);
         for (long g = 0; g < kv_heads; g++) {
-            const size_t at = (size_t)((g * capacity + start + m) * head_dim);
+            const size_t at = (size_t)((((b * kv_heads) + g) * capacity + position) * head_dim);
             memcpy(keys + at, qk + (m * qk_heads + heads + g) * head_dim, sizeof(float) * (size_t)head_dim);
             memcpy(values + at, qkv + m * qkv_width + (heads + kv_heads + g) * head_dim,
                    sizeof(float) * (size_t)head_dim);
         }
+    }
     const float scale = (float)(1.0 / __builtin_sqrt((double)head_dim)); /* as Python's head_dim ** -0.5 */
-    causal_attention(qk + width * qk_heads * head_dim, keys, values, attended, 1, block, heads, kv_heads, head_dim,
-                     qk_heads * head_dim, capacity, start + width, scale, causal, parallel >> 4 & 1);
-    layer_product(attended, &layer->o, update, block, heads * head_dim, parallel >> 1 & 1);
-    add_into(h, update, block * d);
-    rms_norm(h, d, layer->post_norm, 1, window, block, d, eps);
-    layer_product(window, &layer->gate_up, gate_up, block, d, parallel >> 2 & 1);
-    swiglu(gate_up, activated, block, features);
-    layer_product(activated, &layer->down, update, block, features, parallel >> 3 & 1);
-    add_into(h, update, block * d);
+    causal_attention(qk + width * qk_heads * head_dim, keys, values, attended, batch, block, heads, kv_heads,
+                     head_dim, qk_heads * head_dim, capacity, start + width, first_key, scale, causal,
+                     parallel >> 4 & 1);
+    layer_product(attended, &layer->o, update, rows, heads * head_dim, parallel >> 1 & 1);
+    add_into(h, update, rows * d);
+    rms_norm(h, d, layer->post_norm, 1, window, rows, d, eps);
+    layer_product(window, &layer->gate_up, gate_up, rows, d, parallel >> 2 & 1);
+    swiglu(gate_up, activated, rows, features);
+    layer_product(activated, &layer->down, update, rows, features, parallel >> 3 & 1);
+    add_into(h, update, rows * d);
 }
 
 /* A DFlash draft's whole pass in one call, for one sequence (where Python's operators around the layers cost a
@@ -819,8 +832,8 @@ void draft_block(const draft_weights *draft, float *const *keys, float *const *v
     layer_product(features, &draft->fc, spare_rows, width, feature_size, parallel >> 5 & 1);
     rms_norm(spare_rows, d, draft->hidden_norm, 1, context, width, d, eps);
     for (long i = 0; i < draft->num_layers; i++)
-        decoder_layer(&draft->layers[i], keys[i], values[i], h, context, width, block, d, heads, kv_heads, head_dim,
-                      cos, sin, capacity, start, eps, 0, parallel & 31);
+        decoder_layer(&draft->layers[i], keys[i], values[i], h, context, 1, width, block, d, heads, kv_heads,
+                      head_dim, cos, sin, capacity, start, NULL, eps, 0, parallel & 31);
     rms_norm(h + first * d, d, draft->norm, 1, spare_rows, rows, d, eps);
     layer_product(spare_rows, &draft->head, logits, rows, d, parallel >> 6 & 1);
     for (long m = 0; m < rows; m++) {
