@@ -645,7 +645,7 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     from .features import FeatureStore, OnlineFeatures, build_feature_store
     from .loss import DraftVocabulary
     from .prompts import read_prompt_file
-    from .trainer import Trainer, init_from_target, save_trained_draft, seed_everything
+    from .trainer import Trainer, init_from_target, save_trained_draft, seed_everything, start_from_draft
 
     dtype = config.dtype if config.dtype != "auto" else "bfloat16" if dist.device.type == "cuda" else "float32"
     model, tokenizer = load_target(config.target, device=dist.device, dtype=getattr(torch, dtype))
@@ -687,15 +687,19 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
                                         mask_token_id=mask_token_id, target_layer_ids=layer_ids)
     if config.init_draft:
         start = DFlashDraftModel.from_pretrained(config.init_draft)
-        if _draft_shape(start) != _draft_shape(draft):
+        (layers, *others), (wanted, *asked) = _draft_shape(start), _draft_shape(draft)
+        if others != asked or layers > wanted:
             raise ValueError(
                 f"--init-draft {config.init_draft} has (layers, feature layers, mask token) "
-                f"{_draft_shape(start)} but the options ask for {_draft_shape(draft)}: give matching --draft-layers, "
-                "--feature-layers and --mask-token-id"
+                f"{_draft_shape(start)} but the options ask for {_draft_shape(draft)}: give matching --feature-layers "
+                "and --mask-token-id, and --draft-layers at least the earlier draft's"
             )
-        weights = start.state_dict()
-        weights.pop("draft_vocab_ids", None)  # the drafting vocabulary is chosen again from this run's data
-        draft.load_state_dict(weights)
+        if layers < wanted and config.init_from_target:
+            init_from_target(draft, model)  # the added layers' weights, but for their zeroed outputs
+        # The drafting vocabulary is chosen again from this run's data; added layers start silent.
+        if start_from_draft(draft, start):
+            _say(f"grew the draft from {layers} to {wanted} layers: the added ones start from "
+                 f"{'the target' if config.init_from_target else 'random weights'}, their outputs at zero")
     elif config.init_from_target:
         init_from_target(draft, model)
     vocab_size = model.get_input_embeddings().weight.shape[0]

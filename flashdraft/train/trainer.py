@@ -145,6 +145,27 @@ def init_from_target(draft: DFlashDraftModel, target) -> int:
     return copied
 
 
+def start_from_draft(draft: DFlashDraftModel, start: DFlashDraftModel) -> int:
+    """Load an earlier draft's weights into `draft`, which may have more layers: the earlier draft's layers come
+    first, and each added layer's output projections (attention o, MLP down) start at zero, so that the grown draft
+    computes exactly what the earlier one did and training adds to it (its other weights stay as they were, e.g.
+    from `init_from_target`). Returns the number of layers added. The drafting vocabulary is not carried over."""
+    weights = start.state_dict()
+    weights.pop("draft_vocab_ids", None)
+    added = len(draft.layers) - len(start.layers)
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    ours = {f"layers.{i}." for i in range(len(start.layers), len(draft.layers))}
+    strays = [name for name in missing if not any(name.startswith(prefix) for prefix in ours)]
+    if added < 0 or unexpected or strays:
+        raise ValueError(f"a draft of {len(start.layers)} layers cannot start a draft of {len(draft.layers)}: "
+                         f"weights {(unexpected + strays)[:3]} do not match")
+    with torch.no_grad():
+        for layer in draft.layers[len(start.layers):]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return added
+
+
 def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     """Linear warmup over `warmup_steps`, then cosine decay to zero at `total_steps`."""
     if step < warmup_steps:

@@ -312,8 +312,19 @@ def test_init_draft_starts_from_an_earlier_draft_and_must_match_it_but_for_the_b
     second = DFlashDraftModel.from_pretrained(tmp_path / "d2")
     for name, tensor in first.state_dict().items():
         assert torch.allclose(second.state_dict()[name], tensor, atol=1e-6), name
-    err = run_failing(later + ["--draft-layers", "2"], capsys)
-    assert "--init-draft" in err and "(1, [0, 2], 1)" in err and "(2, [0, 2], 1)" in err
+    err = run_failing(later + ["--feature-layers", "0,1"], capsys)
+    assert "--init-draft" in err and "(1, [0, 2], 1)" in err and "(1, [0, 1], 1)" in err
+    # More layers grow the draft: the earlier one's layer first, the added one silent at the start.
+    assert main(later[:-1] + [str(tmp_path / "d3"), "--run-name", "grown", "--draft-layers", "2"]) == 0
+    grown = DFlashDraftModel.from_pretrained(tmp_path / "d3")
+    assert grown.config.num_hidden_layers == 2
+    for name, tensor in first.state_dict().items():
+        assert torch.allclose(grown.state_dict()[name], tensor, atol=1e-6), name
+    assert grown.layers[1].mlp.down_proj.weight.abs().max() < 1e-6  # lr 1e-12: still as it started
+    fewer = train_args(target_folder, tmp_path, "--draft-vocab-size", "0", "--run-name", "fewer", "--draft-layers",
+                       "1", "--init-draft", str(tmp_path / "d3"))
+    err = run_failing(fewer + ["-o", str(tmp_path / "x")], capsys)
+    assert "--draft-layers at least the earlier draft's" in err
     # Another block size takes the same weights; the new draft decodes with the new size.
     assert main(later[:-1] + [str(tmp_path / "d8"), "--run-name", "block8", "--block-size", "8"]) == 0
     third = DFlashDraftModel.from_pretrained(tmp_path / "d8")

@@ -20,7 +20,14 @@ from flashdraft.train.blocks import TrainingSequence
 from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store, check_feature_layers
 from flashdraft.train.loss import DraftVocabulary, acceptance_weights
 from flashdraft.train.records import TrainingRecord
-from flashdraft.train.trainer import TrainConfig, Trainer, _lr_factor, init_from_target, save_trained_draft
+from flashdraft.train.trainer import (
+    TrainConfig,
+    Trainer,
+    _lr_factor,
+    init_from_target,
+    save_trained_draft,
+    start_from_draft,
+)
 from train.tiny_training import (  # noqa: F401
     FEATURE_LAYERS,
     MASK,
@@ -333,6 +340,25 @@ def test_init_from_target_copies_the_last_layers():
     assert torch.equal(draft.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
     assert torch.equal(draft.layers[0].self_attn.q_proj.weight, target.model.layers[2].self_attn.q_proj.weight)
     assert torch.equal(draft.layers[0].self_attn.q_norm.weight, torch.ones(8))
+
+
+def test_a_draft_grown_by_a_layer_starts_computing_what_the_smaller_one_did():
+    target, small = target_and_draft(num_layers=1)
+    _, grown = target_and_draft(num_layers=3, draft_seed=5)
+    init_from_target(grown, target)
+    assert start_from_draft(grown, small) == 2
+    for name, tensor in small.state_dict().items():  # the earlier draft's weights, its layer first
+        assert torch.equal(grown.state_dict()[name], tensor), name
+    assert torch.equal(grown.layers[2].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+    assert not grown.layers[1].self_attn.o_proj.weight.any() and not grown.layers[2].mlp.down_proj.weight.any()
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.randn(1, 4, small.config.hidden_size, generator=generator)
+    context = torch.randn(1, 5, len(FEATURE_LAYERS) * small.config.hidden_size, generator=generator)
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        assert torch.equal(grown(noise, context, positions), small(noise, context, positions))
+    with pytest.raises(ValueError, match="a draft of 3 layers cannot start a draft of 1"):
+        start_from_draft(small, grown)
 
 
 # ---------------------------------------------------------------- bad input, before any work
