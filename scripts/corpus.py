@@ -5,7 +5,8 @@
     python scripts/corpus.py export    # append what the work folder holds beyond the corpus (then commit corpus/)
     python scripts/corpus.py status    # records, response tokens and bytes: corpus and work folder
 
-The work folder (default `$FLASHDRAFT_HOME/corpus/TARGET`) stays outside the repository. Pause `grow` while timing
+The work folder (default `$FLASHDRAFT_HOME/corpus/TARGET/prompts-N`, N the prompt count of `REGENERATE`) stays
+outside the repository. Pause `grow` while timing
 anything (`kill -STOP`/`-CONT` on its process group); export before the session ends.
 """
 
@@ -23,10 +24,14 @@ from flashdraft.train.records import META_FILE, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "smollm2-135m-instruct"
-# The regeneration every corpus shard comes from: 10,000 decontaminated prompts of the built-in mix (code, math and
-# chat), full-length greedy answers of up to 512 tokens. Changing it means starting another corpus folder.
-REGENERATE = ["--until", "labels", "--num-prompts", "10000", "--labels", "regenerate", "--max-new-tokens", "512",
-              "--threads", "1"]
+# The regeneration every corpus shard comes from: decontaminated prompts of the built-in mix (code, math and chat),
+# full-length greedy answers of up to 512 tokens. The answers' settings never change (changing them means another
+# corpus folder); the prompt set grows in steps, each in its own work folder, which `grow` first fills with the whole
+# corpus, so that no prompt is answered twice: 10,000 prompts until 2026-12-02 (shards 0-36), then 20,000, which the
+# built-in sources cannot fill: every one of their 19,886 distinct prompts.
+NUM_PROMPTS = 20000
+REGENERATE = ["--until", "labels", "--num-prompts", str(NUM_PROMPTS), "--labels", "regenerate", "--max-new-tokens",
+              "512", "--threads", "1"]
 
 
 def regenerate_command(work: Path) -> list[str]:
@@ -50,7 +55,7 @@ def main() -> None:
                         help="regeneration work folder (default: $FLASHDRAFT_HOME/corpus/TARGET)")
     parser.add_argument("--corpus", type=Path, default=REPO / "corpus" / TARGET, help="corpus folder")
     args = parser.parse_args()
-    work = (args.work_dir or cache_home() / "corpus" / TARGET).expanduser()
+    work = (args.work_dir or cache_home() / "corpus" / TARGET / f"prompts-{NUM_PROMPTS}").expanduser()
     records = work / "records-regenerate"
     manifest = read_manifest(args.corpus)
     print(f"corpus {args.corpus}: {manifest.get('totals', {}).get('records', 0)} records, "
