@@ -134,11 +134,12 @@ class DFlashProposer:
         """[size - 1, V_draft] logits of the first positions of the block after the anchor (`size` None: all
         block_size - 1). The draft always runs the whole block; the head, a small draft's largest product, only
         the rows a round uses."""
-        return self._pass(anchor, context, start, block_size, size)[0]
+        return self.round_logits(anchor, context, start, block_size, size)[0]
 
-    def _pass(self, anchor, context, start, block_size, size) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @torch.no_grad()
+    def round_logits(self, anchor, context, start, block_size, size=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`logits`, and their greedy proposals (target ids) where the pass computed them too: in one native call
-        on the CPU engine (`DraftEngine.block`), else None."""
+        on the CPU engine (`DraftEngine.block`), else None. What `propose` runs."""
         first_position = start - context.shape[1]
         used = slice(1, size or block_size)  # the anchor's output is dropped
         if self.on_engine and context.dtype == self.dtype:
@@ -160,7 +161,7 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, anchor, context, start, block_size, size=None, params=GREEDY, generator=None):
         """`Proposer.propose`; by default the whole block, greedily."""
-        logits, tokens = self._pass(anchor, context, start, block_size, size)
+        logits, tokens = self.round_logits(anchor, context, start, block_size, size)
         self.proposed = True
         if params.greedy and tokens is not None:
             return tokens, None
@@ -323,10 +324,10 @@ class HybridProposer:
     def propose(self, anchor, context, start, block_size, size, params=GREEDY, generator=None):
         """`Proposer.propose`: the plan's proposals, from the lookup, the draft or both."""
         plan = self.prepare(context, size)
-        logits = None
+        logits = tokens = None
         if plan.draft:  # at the draft's own block (`block_size`), whatever the loop's
-            logits = self.dflash.logits(anchor, self.take_context(), start, self.block_size, plan.size)
-        return self.complete(logits, params, generator)
+            logits, tokens = self.dflash.round_logits(anchor, self.take_context(), start, self.block_size, plan.size)
+        return self.complete(logits, params, generator, tokens)
 
     def prepare(self, context: torch.Tensor | None, size: int) -> Plan:
         """A round's first half: keep the new context, plan the round. When the plan drafts, the caller runs the
@@ -344,14 +345,16 @@ class HybridProposer:
         self.pending.clear()
         return context
 
-    def complete(self, draft_logits: torch.Tensor | None, params: SamplingParams, generator: torch.Generator | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def complete(self, draft_logits: torch.Tensor | None, params: SamplingParams, generator: torch.Generator | None,
+                 draft_greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A round's second half: the planned proposals and q, given the draft's [plan.size - 1, V_draft] logits
-        when the plan drafts."""
+        when the plan drafts (and their argmax as target ids, where the draft's pass gave it)."""
         continuation, _, plan = self.round
         vocab_size = self.target.vocab_size
         proposals = torch.tensor(continuation[: plan.lookup], dtype=torch.long, device=self.target.device)
         q = None if params.greedy else lookup_q(proposals, vocab_size)
+        if plan.draft and params.greedy and draft_greedy is not None:
+            return torch.cat([proposals, draft_greedy[plan.lookup :]]), None
         if plan.draft:
             logits = draft_logits[plan.lookup :]
             drafted, draft_q = draft_tokens(logits, self.dflash.vocab_ids, params, generator, vocab_size)

@@ -539,6 +539,21 @@ def test_an_8_bit_drafts_whole_pass_is_one_native_call_with_the_same_proposals(m
                            proposers["layers"].cache.keys[layer][..., :start, :])
 
 
+@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above covers its absence)")
+@pytest.mark.parametrize("proposals", ["dflash", "hybrid"])
+def test_decoding_on_an_8_bit_drafts_whole_pass_stays_exact(monkeypatch, proposals):
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()
+    calls = []
+    whole = native.unchecked_draft_block
+    monkeypatch.setattr(native, "unchecked_draft_block",
+                        lambda *args, **kwargs: calls.append(1) or whole(*args, **kwargs))
+    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(12))
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, 9:].tolist()
+    result = generate(model, draft, prompt, max_new_tokens=40, block_size=4, proposals=proposals)
+    assert result.tokens == expected and len(calls) >= 3  # the rounds' passes: one native call each
+
+
 def test_speculative_decoding_with_a_bfloat16_draft_pass_stays_exact():
     model = tiny_target("qwen3")
     draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()

@@ -158,9 +158,9 @@ def test_beside_the_lookup_the_draft_runs_its_own_block(monkeypatch):
     proposer = hybrid(max_size=16, costs=None)
     proposer.begin(64)
     passes = []
-    logits = DFlashProposer.logits
-    monkeypatch.setattr(DFlashProposer, "logits", lambda self, anchor, context, start, block_size, size=None: (
-        passes.append((block_size, size)) or logits(self, anchor, context, start, block_size, size)))
+    round_logits = DFlashProposer.round_logits
+    monkeypatch.setattr(DFlashProposer, "round_logits", lambda self, anchor, context, start, block_size, size=None: (
+        passes.append((block_size, size)) or round_logits(self, anchor, context, start, block_size, size)))
     context = torch.randn(1, 5, proposer.dflash.draft.config.hidden_size * len(proposer.target_layer_ids))
     proposer.observe([3, 4, 5, 6, 7, 8])
     proposals, _ = proposer.propose(torch.tensor([9]), context, 5, 16, 16)
@@ -252,9 +252,9 @@ class RecordingProposer(DFlashProposer):
 
     calls: list = []
 
-    def logits(self, anchor, context, start, block_size, size=None):
+    def round_logits(self, anchor, context, start, block_size, size=None):
         RecordingProposer.calls.append((start, context.shape[1]))
-        return super().logits(anchor, context, start, block_size, size)
+        return super().round_logits(anchor, context, start, block_size, size)
 
 
 def test_rounds_without_the_draft_still_give_it_their_context(cpu_like_costs, monkeypatch):

@@ -40,10 +40,10 @@ class RecordingProposer(DFlashProposer):
         super().begin(max_positions)
         self.calls = []
 
-    def logits(self, anchor, context, start, block_size, size=None):
-        logits = super().logits(anchor, context, start, block_size, size)
+    def round_logits(self, anchor, context, start, block_size, size=None):
+        logits, tokens = super().round_logits(anchor, context, start, block_size, size)
         self.calls.append((start, context.shape[1], anchor.item(), logits))
-        return logits
+        return logits, tokens
 
 
 def test_replay_feeds_a_dflash_draft_what_the_loop_feeds_it():
