@@ -45,6 +45,10 @@ STORAGE_DTYPES = {"float16": (torch.float16, np.float16), "bfloat16": (torch.bfl
                   "float32": (torch.float32, np.float32)}
 
 
+# Two runs started together on one work folder (an A/B) both open its store: the first holds the lock only seconds
+# when the store is complete, so the second waits that long before it concludes that a build is under way.
+LOCK_WAIT_SECONDS = 60.0
+
 def check_feature_layers(layer_ids: Sequence[int], num_target_layers: int) -> None:
     """Fail before any work when the feature layers do not exist in the target (or repeat)."""
     if not layer_ids:
@@ -131,7 +135,8 @@ def build_feature_store(
         raise ValueError(
             f"cannot create the feature folder {folder} ({error.strerror}): choose a writable folder"
         ) from None
-    with exclusive(folder / ".lock", f"another run is computing the features in {folder}: wait for it to finish"):
+    with exclusive(folder / ".lock", f"another run is computing the features in {folder}: wait for it to finish",
+                   wait=LOCK_WAIT_SECONDS):
         return _build_feature_store(model, sequences, folder, layer_ids, dtype, batch_size, progress, reuse)
 
 

@@ -97,14 +97,15 @@ def read_records(folder: str | Path) -> Iterator[TrainingRecord]:
 
 
 @contextmanager
-def exclusive(lock_path: str | Path, busy: str) -> Iterator[None]:
+def exclusive(lock_path: str | Path, busy: str, wait: float = 0.0) -> Iterator[None]:
     """Hold the lock file `lock_path` (made if need be) while the block runs, so that two runs never write the same
-    files at once; when another run holds it, fail at once with the message `busy` rather than wait."""
+    files at once; when another run holds it for more than `wait` seconds, fail with the message `busy` rather than
+    wait longer."""
     lock_path = Path(lock_path)
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(lock_path))
-        lock.acquire(timeout=0)
+        lock.acquire(timeout=wait)
     except Timeout:
         raise ValueError(busy) from None
     except OSError as error:  # not writable, or a file in the way

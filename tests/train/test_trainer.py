@@ -5,6 +5,7 @@ the best draft, writes the output folder, and stops bad input before any work.""
 import json
 import math
 import random
+import time
 from collections import namedtuple
 
 import pytest
@@ -281,14 +282,39 @@ def test_the_held_out_records_of_a_grown_corpus_are_never_ones_the_smaller_corpu
     assert {s.id for s in split_heldout(corpus, 5, seed=1)[1]} != {s.id for s in heldout}
 
 
-def test_a_feature_store_that_another_run_is_building_is_refused(tmp_path):
+def test_a_feature_store_that_another_run_is_building_is_refused(tmp_path, monkeypatch):
     from flashdraft.train.records import exclusive
 
+    monkeypatch.setattr(features_module, "LOCK_WAIT_SECONDS", 0.2)
     target, _ = target_and_draft()
     with exclusive(tmp_path / "store" / ".lock", "held by the test"):
         with pytest.raises(ValueError, match="another run is computing the features in .*store: wait for it"):
             build_feature_store(target, pattern_sequences(4), tmp_path / "store", FEATURE_LAYERS, progress=False)
     assert not (tmp_path / "store" / "meta.json").exists()
+
+
+def test_a_run_beside_one_that_holds_the_store_briefly_waits_for_it(tmp_path, monkeypatch):
+    import threading
+
+    from flashdraft.train.records import exclusive
+
+    monkeypatch.setattr(features_module, "LOCK_WAIT_SECONDS", 10.0)
+    target, _ = target_and_draft()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with exclusive(tmp_path / "store" / ".lock", "held by the test"):
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    threading.Timer(0.5, release.set).start()  # the other run lets go a moment later
+    began = time.monotonic()
+    store = build_feature_store(target, pattern_sequences(4), tmp_path / "store", FEATURE_LAYERS, progress=False)
+    holder.join()
+    assert time.monotonic() - began >= 0.4 and len(store.index) == 4  # it waited, then built
 
 
 def test_trains_from_an_offline_store_like_online(tmp_path):
