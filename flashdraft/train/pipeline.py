@@ -50,6 +50,7 @@ PROMPT_SETTINGS = "prompts.json"  # a work folder holds the data of one prompt s
 PROMPTS_LOCK = ".prompts.lock"
 LABEL_KINDS = ("regenerate", "teacher-forced")
 LOSS_WEIGHTINGS = ("decay", "acceptance")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 HELDOUT_SET = "heldout"
 
 
@@ -102,6 +103,11 @@ class PipelineConfig:
     dtype: str = setting(
         "auto", "target weights' dtype; the draft trains in float32 under autocast when this is lower",
         shown="auto = bfloat16 on a GPU, float32 on a CPU", choices=("auto", "float32", "bfloat16", "float16"))
+    compute_dtype: str = setting(
+        "auto", "precision of the draft's training passes (autocast: its weights, the optimizer and the evaluation's "
+        "decoding stay in float32); bfloat16 trains ~1.6x faster on a CPU with native bfloat16 instructions "
+        "(avx512_bf16 or AMX) at the same loss, and is slower where they are emulated",
+        shown="auto = the target weights' dtype", choices=COMPUTE_DTYPES)
     threads: int | None = setting(
         None, "torch CPU threads; on a CPU shared with other jobs use 1, or set OMP_WAIT_POLICY=PASSIVE in the "
         "environment: spinning threads can make training several times slower",
@@ -240,7 +246,7 @@ class PipelineConfig:
             grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, distill_weight=self.distill_weight,
             loss_chunk=self.loss_chunk, checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints, eval_every=self.eval_every,
-            eval_max_new_tokens=self.eval_max_new_tokens, seed=self.seed,
+            eval_max_new_tokens=self.eval_max_new_tokens, seed=self.seed, compute_dtype=self.compute_dtype,
         )
 
 

@@ -512,3 +512,57 @@ def test_evaluation_tau_is_the_tau_of_real_decoding(tmp_path):
     tau = trainer.evaluate()["tau"]["own"]
     assert tau > 1.2  # a draft that learnt something, so the comparison is not between two runs of ones
     assert tau == pytest.approx(sum(rounds) / len(rounds))
+
+
+def _record_precisions(monkeypatch):
+    """The autocast precision each teacher-forced pass computes its loss under (None: off), and whether autocast was
+    on in each replay of the evaluation."""
+    seen = {"loss_autocast": set(), "replay_autocast": set()}
+    block_loss, replay = trainer_module.block_loss, trainer_module.replay
+
+    def recording_loss(hidden, *args, **kwargs):
+        on = torch.is_autocast_enabled("cpu")
+        seen["loss_autocast"].add(torch.get_autocast_dtype("cpu") if on else None)
+        return block_loss(hidden, *args, **kwargs)
+
+    def recording_replay(*args, **kwargs):
+        seen["replay_autocast"].add(torch.is_autocast_enabled("cpu"))
+        return replay(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "block_loss", recording_loss)
+    monkeypatch.setattr(trainer_module, "replay", recording_replay)
+    return seen
+
+
+@pytest.mark.parametrize("compute_dtype", ["auto", "float32", "bfloat16"])
+def test_a_float32_targets_draft_trains_in_the_compute_dtype_and_evaluates_in_float32(tmp_path, monkeypatch,
+                                                                                    compute_dtype):
+    seen = _record_precisions(monkeypatch)
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=3, compute_dtype=compute_dtype)
+    trainer = make_trainer(tmp_path, config=config, eval_prompts={"p": [[5, 6, 7, 8]]},
+                           heldout=pattern_sequences(2, seed=8))
+    summary = trainer.train()
+    assert seen["loss_autocast"] == {torch.bfloat16 if compute_dtype == "bfloat16" else None}
+    assert seen["replay_autocast"] == {False}  # the decoding loop's precision is the target's
+    assert all(t.dtype == torch.float32 for t in trainer.draft.parameters())
+    assert math.isfinite(summary.final_loss) and summary.evaluations[-1]["tau"]["p"] >= 1.0
+
+
+def test_bfloat16_compute_takes_the_steps_float32_takes_up_to_its_rounding(tmp_path):
+    runs = {}
+    for compute_dtype in ("float32", "bfloat16"):
+        config = tiny_config(num_anchors=4, batch_size=2, max_steps=3, compute_dtype=compute_dtype)
+        trainer = make_trainer(tmp_path, compute_dtype, config=config)
+        before = weights(trainer.draft)
+        runs[compute_dtype] = (trainer.train(), before, weights(trainer.draft))
+    (exact, start, end), (rounded, _, rounded_end) = runs["float32"], runs["bfloat16"]
+    assert rounded.final_loss == pytest.approx(exact.final_loss, rel=0.02)
+    assert rounded.final_loss != exact.final_loss  # the passes did run in bfloat16
+    for name in ("fc.weight", "layers.0.mlp.down_proj.weight"):
+        step, rounded_step = end[name] - start[name], rounded_end[name] - start[name]
+        assert torch.nn.functional.cosine_similarity(step.flatten(), rounded_step.flatten(), dim=0) > 0.95, name
+
+
+def test_an_unknown_compute_dtype_is_refused():
+    with pytest.raises(ValueError, match="compute_dtype must be one of auto, float32, bfloat16, not 'float16'"):
+        TrainConfig(compute_dtype="float16")
