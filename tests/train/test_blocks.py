@@ -4,6 +4,7 @@ draft forward block by block, and no block sees its anchor's features or anythin
 import pytest
 import torch
 
+from flashdraft import draft as draft_module
 from flashdraft.proposals import DFlashProposer
 from flashdraft.target import TargetModel
 from flashdraft.train.blocks import IGNORE, TrainingSequence, block_attention_mask, make_blocks, sample_anchors
@@ -60,6 +61,54 @@ def test_training_forward_equals_decoding_draft_forward(arch, attn, window):
             inferred = proposer.logits(sequence.input_ids[anchor].view(1), features[:, previous:anchor], anchor, BLOCK)
             previous = anchor
             assert (trained[j] - inferred).abs().max() < 1e-5, f"block at anchor {anchor}"
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_forward_over_many_blocks_attends_in_query_groups_each_block_as_decoding_does(monkeypatch, window):
+    model = tiny_target("qwen3", seed=3)
+    target = TargetModel(model)
+    draft = tiny_draft(model, block_size=BLOCK, mask_token_id=MASK, num_layers=2, seed=4)
+    if window is not None:
+        draft.config.sliding_window = window
+        draft.config.layer_types = ["sliding_attention", "full_attention"]
+        draft.layers[0].self_attn.sliding_window = window
+    groups = []
+    attend = draft_module.attend_in_query_groups
+    monkeypatch.setattr(draft_module, "attend_in_query_groups", lambda *a, **k: groups.append(1) or attend(*a, **k))
+    sequence = random_sequence(240, response_start=5, seed=2)
+    features = torch.randn(1, 240, len(draft.target_layer_ids) * 32, generator=torch.Generator().manual_seed(6))
+    anchors = sorted(torch.randperm(225, generator=torch.Generator().manual_seed(7))[:40].add(5).tolist())
+    with torch.no_grad():
+        trained = training_logits(draft, target, sequence, anchors, features)  # 320 queries: three groups
+        assert len(groups) == 2  # each layer
+        proposer = DFlashProposer(draft, target)
+        proposer.begin(240 + BLOCK)
+        previous = 0
+        for j, anchor in enumerate(anchors):
+            inferred = proposer.logits(sequence.input_ids[anchor].view(1), features[:, previous:anchor], anchor, BLOCK)
+            previous = anchor
+            assert (trained[j] - inferred).abs().max() < 1e-5, f"block at anchor {anchor}"
+
+
+def test_attention_in_query_groups_has_the_gradients_of_one_attention(monkeypatch):
+    model = tiny_target("qwen3", seed=3)
+    target = TargetModel(model)
+    sequences = [random_sequence(200, response_start=5, seed=s) for s in (3, 4)]
+    anchors = [sorted(torch.randperm(190, generator=torch.Generator().manual_seed(s))[:30].add(5).tolist())
+               for s in (8, 9)]
+    batch = make_blocks(sequences, anchors, BLOCK, MASK)
+    width = len(tiny_draft(model).target_layer_ids) * 32
+    features = torch.randn(2, batch.context_length, width, generator=torch.Generator().manual_seed(6))
+    gradients = {}
+    for name, group in (("grouped", draft_module.QUERY_GROUP), ("whole", 10**9)):
+        monkeypatch.setattr(draft_module, "QUERY_GROUP", group)
+        draft = tiny_draft(model, block_size=BLOCK, mask_token_id=MASK, num_layers=2, seed=4)
+        hidden = draft(target.embed(batch.block_ids), features, batch.position_ids, attention_mask=batch.attention_mask)
+        hidden.square().mean().backward()
+        gradients[name] = {n: p.grad for n, p in draft.named_parameters() if p.grad is not None}
+    assert gradients["grouped"].keys() == gradients["whole"].keys()
+    for name, gradient in gradients["grouped"].items():
+        assert torch.allclose(gradient, gradients["whole"][name], rtol=1e-4, atol=1e-6), name
 
 
 def test_one_block_equals_a_fresh_proposer_at_any_anchor():
