@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..files import write_atomic
 from ..target import TargetModel
 from .blocks import TrainingSequence
-from .records import exclusive, plan_batches
+from .records import LOCK_WAIT_SECONDS, exclusive, plan_batches
 
 META_FILE = "meta.json"
 DATA_FILE = "features.bin"
@@ -45,9 +45,6 @@ STORAGE_DTYPES = {"float16": (torch.float16, np.float16), "bfloat16": (torch.bfl
                   "float32": (torch.float32, np.float32)}
 
 
-# Two runs started together on one work folder (an A/B) both open its store: the first holds the lock only seconds
-# when the store is complete, so the second waits that long before it concludes that a build is under way.
-LOCK_WAIT_SECONDS = 60.0
 
 def check_feature_layers(layer_ids: Sequence[int], num_target_layers: int) -> None:
     """Fail before any work when the feature layers do not exist in the target (or repeat)."""

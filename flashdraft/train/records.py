@@ -96,6 +96,12 @@ def read_records(folder: str | Path) -> Iterator[TrainingRecord]:
                     yield TrainingRecord(**json.loads(line))
 
 
+# Two runs started together on one work folder (an A/B) both open its record folders and its feature store: the first
+# holds each lock only seconds when there is nothing left to write, so the second waits that long before it
+# concludes that another run is writing there.
+LOCK_WAIT_SECONDS = 60.0
+
+
 @contextmanager
 def exclusive(lock_path: str | Path, busy: str, wait: float = 0.0) -> Iterator[None]:
     """Hold the lock file `lock_path` (made if need be) while the block runs, so that two runs never write the same
@@ -148,7 +154,7 @@ class ShardWriter:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.lock = FileLock(str(self.folder / ".lock"))
-            self.lock.acquire(timeout=0)
+            self.lock.acquire(timeout=LOCK_WAIT_SECONDS)
         except Timeout:
             raise ValueError(f"another run is writing to {self.folder}: wait for it or choose another folder") from None
         except OSError as error:  # not writable, or a file in the way

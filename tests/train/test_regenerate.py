@@ -181,10 +181,32 @@ def test_a_folder_made_with_other_settings_is_refused(tmp_path):
         regenerate(model, TOKENIZER, prompts, tmp_path, max_new_tokens=4, progress=False)
 
 
-def test_a_folder_in_use_by_another_run_is_refused(tmp_path):
+def test_a_folder_in_use_by_another_run_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "LOCK_WAIT_SECONDS", 0.2)
     with FileLock(str(tmp_path / ".lock")):
         with pytest.raises(ValueError, match="another run is writing"):
             regenerate(tiny_target(), TOKENIZER, random_prompts(1), tmp_path, max_new_tokens=2, progress=False)
+
+
+def test_a_run_beside_one_that_holds_the_records_briefly_waits_for_it(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(records, "LOCK_WAIT_SECONDS", 10.0)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # the other run (an A/B's other arm), which lets go a moment later
+        with FileLock(str(tmp_path / ".lock")):
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    threading.Timer(0.5, release.set).start()
+    began = time.monotonic()
+    stats = regenerate(tiny_target(), TOKENIZER, random_prompts(1), tmp_path, max_new_tokens=2, progress=False)
+    holder.join()
+    assert time.monotonic() - began >= 0.4 and stats.written == 1  # it waited, then wrote
 
 
 def test_an_output_path_that_is_a_file_is_refused(tmp_path):

@@ -394,8 +394,11 @@ def test_the_same_command_trains_the_same_draft(target_folder, tmp_path):
     assert drafts[0] == drafts[1]
 
 
-def test_a_command_is_refused_while_another_writes_the_same_data(target_folder, tmp_path, capsys):
+def test_a_command_is_refused_while_another_writes_the_same_data(target_folder, tmp_path, capsys, monkeypatch):
+    from flashdraft.train import records
     from flashdraft.train.records import exclusive
+
+    monkeypatch.setattr(records, "LOCK_WAIT_SECONDS", 0.2)  # the wait for a lock held only briefly
 
     prompt_file(tmp_path / "prompts.jsonl")
     work = tmp_path / "work"
