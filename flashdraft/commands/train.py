@@ -80,7 +80,8 @@ def option_of(item: Field) -> tuple[list[str], dict]:
     else:
         settings["default"] = default
     if isinstance(default, bool):
-        settings["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        # Both spellings whatever the default, so that a command written under another default still runs.
+        settings["action"] = argparse.BooleanOptionalAction
         return flags, settings
     settings["type"] = meta.get("type", type(default))
     if meta.get("repeat"):

@@ -92,7 +92,11 @@ class PipelineConfig:
         8192, "draft over the N tokens most frequent in the target's outputs (the loss and the drafting head use "
         "only those rows; the ids are saved with the draft); 0 = the full vocabulary",
         shown="{}, or the full vocabulary when it is not larger than twice that")
-    init_from_target: bool = setting(True, "start the draft's layers from the target's last layers where shapes match")
+    # Off since an A/B at equal steps from scratch (BENCHMARKS.md, "The recipe A/B on the draft's initialisation"):
+    # random layers reached held-out tau 1.30 after 300 steps, layers copied from the target 1.21.
+    init_from_target: bool = setting(
+        False, "start the draft's layers from the target's last layers where shapes match (off: random layers, "
+        "which trained faster in an A/B)")
     init_draft: Path | None = setting(
         None, "start from the weights of this draft folder instead (e.g. to continue on more data under a new "
         "--run-name); its layers, feature layers and mask token must match the options (the block size may differ: "

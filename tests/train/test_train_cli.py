@@ -180,13 +180,24 @@ def test_every_option_has_help_and_the_exact_command_reproduces_the_config(tmp_p
     for action in train._actions:
         assert action.help, action.dest
     args = parser.parse_args(["train", "-o", str(tmp_path / "d"), "--prompts", str(tmp_path / "a.jsonl"),
-                              "--no-init-from-target", "--skip-eval-check", "--lr", "0.001", "--feature-layers", "3,",
+                              "--init-from-target", "--skip-eval-check", "--lr", "0.001", "--feature-layers", "3,",
                               "--sources", "math", "--proportions", "math=2", "--eval-sets", "heldout,gsm8k"])
     config = config_from_args(args)
     assert (config.feature_layers, config.sources, config.proportions) == ((3,), ("math",), {"math": 2.0})
     command = exact_command(config)
-    assert command.startswith("flashdraft train ") and "--no-init-from-target" in command
+    assert command.startswith("flashdraft train ") and "--init-from-target" in command
     assert config_from_args(parser.parse_args(shlex.split(command)[1:])) == config
+
+
+def test_a_switch_takes_both_spellings_whatever_its_default(tmp_path):
+    """Commands written under another default keep running: `--no-init-from-target` (the default since the init
+    A/B) and `--init-from-target` both parse."""
+    parser, _ = train_parser()
+    base = ["train", "-o", str(tmp_path / "d")]
+    assert config_from_args(parser.parse_args(base)).init_from_target is False
+    assert config_from_args(parser.parse_args([*base, "--init-from-target"])).init_from_target is True
+    assert config_from_args(parser.parse_args([*base, "--no-init-from-target"])).init_from_target is False
+    assert config_from_args(parser.parse_args([*base, "--no-skip-eval-check"])).skip_eval_check is False
 
 
 def test_the_command_line_defaults_are_the_configs_and_the_trainers(tmp_path):
