@@ -4,6 +4,10 @@
                                        # at low priority (nice 19, one thread); resumable, never answers twice
     python scripts/corpus.py export    # append what the work folder holds beyond the corpus (then commit corpus/)
     python scripts/corpus.py status    # records, response tokens and bytes: corpus and work folder
+    python scripts/corpus.py train-folder DIR [--records N]
+                                       # a work folder for `flashdraft train --work-dir DIR --num-prompts 20000
+                                       # --label-minutes 0`: the regeneration's prompt set and the corpus's records
+                                       # (all, or a seeded random N of them, e.g. for a recipe A/B)
 
 The work folder (default `$FLASHDRAFT_HOME/corpus/TARGET/prompts-N`, N the prompt count of `REGENERATE`) stays
 outside the repository. Pause `grow` while timing
@@ -13,14 +17,17 @@ anything (`kill -STOP`/`-CONT` on its process group); export before the session 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from flashdraft.models import REGISTRY, cache_home, prepare
-from flashdraft.train.corpus import export_records, import_records, read_manifest
-from flashdraft.train.records import META_FILE, read_records
+from flashdraft.train.corpus import export_records, import_records, read_corpus, read_manifest
+from flashdraft.train.pipeline import PROMPT_SETTINGS, PROMPTS_FILE
+from flashdraft.train.records import META_FILE, ShardWriter, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "smollm2-135m-instruct"
@@ -48,9 +55,30 @@ def lower_session_priority(pid: int) -> None:
         pass
 
 
+def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None) -> int:
+    """Write the regeneration's prompt files and the corpus's records (all, or the `count` with the smallest seeded
+    hash of their id) into `folder`. Returns how many records it holds."""
+    if not (regeneration / PROMPT_SETTINGS).is_file():
+        raise SystemExit(f"{regeneration} has no prompt set yet: run `python scripts/corpus.py grow` first")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (PROMPTS_FILE, PROMPT_SETTINGS):
+        shutil.copy(regeneration / name, folder / name)
+    records = list(read_corpus(corpus))
+    if count is not None:
+        # The init A/B drew its 1,324 records with this key (BENCHMARKS.md): `--records 1324` redraws them.
+        records = sorted(records, key=lambda r: hashlib.sha256(f"ab:{r.id}".encode()).digest())[:count]
+    settings = dict(read_manifest(corpus)["settings"], model=str(prepare(TARGET)))
+    with ShardWriter(folder / "records-regenerate", settings) as writer:
+        writer.write([record for record in records if record.id not in writer.done_ids])
+    return len(records)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["grow", "export", "status"], help="what to do")
+    parser.add_argument("action", choices=["grow", "export", "status", "train-folder"], help="what to do")
+    parser.add_argument("folder", type=Path, nargs="?", help="train-folder: the work folder to write")
+    parser.add_argument("--records", type=int, default=None,
+                        help="train-folder: a seeded random subset of this many records (default: all)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="regeneration work folder (default: $FLASHDRAFT_HOME/corpus/TARGET)")
     parser.add_argument("--corpus", type=Path, default=REPO / "corpus" / TARGET, help="corpus folder")
@@ -66,6 +94,13 @@ def main() -> None:
             done = list(read_records(records))
             print(f"work {records}: {len(done)} records, "
                   f"{sum(len(r.input_ids) - r.response_start for r in done)} response tokens")
+        return
+    if args.action == "train-folder":
+        if args.folder is None:
+            parser.error("train-folder needs the folder to write")
+        held = make_train_folder(args.corpus, work, args.folder.expanduser(), args.records)
+        print(f"{args.folder}: {held} records; train with --work-dir {args.folder} --num-prompts {NUM_PROMPTS} "
+              "--label-minutes 0")
         return
     if args.action == "export":
         added = export_records(records, args.corpus, target=TARGET, command=" ".join(regenerate_command(work)),
