@@ -55,9 +55,10 @@ def lower_session_priority(pid: int) -> None:
         pass
 
 
-def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None) -> int:
+def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None, model: str) -> int:
     """Write the regeneration's prompt files and the corpus's records (all, or the `count` with the smallest seeded
-    hash of their id) into `folder`. Returns how many records it holds."""
+    hash of their id) into `folder`, `model` naming the target's folder on this machine. Returns how many records
+    it holds."""
     if not (regeneration / PROMPT_SETTINGS).is_file():
         raise SystemExit(f"{regeneration} has no prompt set yet: run `python scripts/corpus.py grow` first")
     folder.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,7 @@ def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int
     if count is not None:
         # The init A/B drew its 1,324 records with this key (BENCHMARKS.md): `--records 1324` redraws them.
         records = sorted(records, key=lambda r: hashlib.sha256(f"ab:{r.id}".encode()).digest())[:count]
-    settings = dict(read_manifest(corpus)["settings"], model=str(prepare(TARGET)))
+    settings = dict(read_manifest(corpus)["settings"], model=model)
     with ShardWriter(folder / "records-regenerate", settings) as writer:
         writer.write([record for record in records if record.id not in writer.done_ids])
     return len(records)
@@ -98,7 +99,7 @@ def main() -> None:
     if args.action == "train-folder":
         if args.folder is None:
             parser.error("train-folder needs the folder to write")
-        held = make_train_folder(args.corpus, work, args.folder.expanduser(), args.records)
+        held = make_train_folder(args.corpus, work, args.folder.expanduser(), args.records, str(prepare(TARGET)))
         print(f"{args.folder}: {held} records; train with --work-dir {args.folder} --num-prompts {NUM_PROMPTS} "
               "--label-minutes 0")
         return

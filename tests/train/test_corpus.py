@@ -132,3 +132,28 @@ def test_an_empty_corpus_reads_as_empty(tmp_path):
     assert list(read_corpus(tmp_path)) == []
     assert import_records(tmp_path, tmp_path / "work", model="/here") == 0
     assert not (tmp_path / MANIFEST).exists()
+
+
+def test_a_training_folder_holds_the_prompt_set_and_the_corpus_or_a_seeded_subset_of_it(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "corpus.py"
+    spec = importlib.util.spec_from_file_location("corpus_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    corpus, regeneration = tmp_path / "corpus", tmp_path / "regeneration"
+    export_records(write_folder(tmp_path / "made", records(12)), corpus, target="t", command="c", target_sha256="0")
+    with pytest.raises(SystemExit, match="no prompt set yet"):
+        script.make_train_folder(corpus, regeneration, tmp_path / "all", None, model="/here")
+    regeneration.mkdir()
+    (regeneration / "prompts.jsonl").write_text("prompts\n")
+    (regeneration / "prompts.json").write_text("{}\n")
+    assert script.make_train_folder(corpus, regeneration, tmp_path / "all", None, model="/here") == 12
+    assert (tmp_path / "all" / "prompts.jsonl").read_text() == "prompts\n"
+    assert {r.id for r in read_records(tmp_path / "all" / "records-regenerate")} == {f"src:{i}" for i in range(12)}
+    subsets = [script.make_train_folder(corpus, regeneration, tmp_path / name, 5, model="/here") for name in "ab"]
+    drawn = [{r.id for r in read_records(tmp_path / name / "records-regenerate")} for name in "ab"]
+    assert subsets == [5, 5] and len(drawn[0]) == 5 and drawn[0] == drawn[1]  # seeded: the same draw every time
+    assert script.make_train_folder(corpus, regeneration, tmp_path / "a", 5, model="/here") == 5  # rerun: no repeats
+    assert len(list(read_records(tmp_path / "a" / "records-regenerate"))) == 5
