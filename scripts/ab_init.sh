@@ -5,7 +5,8 @@
 set -euo pipefail
 WORK=${WORK:-$HOME/.cache/flashdraft/train/ab-init}
 OUT=${OUT:-ab-init}
-python "$(dirname "$0")/corpus.py" train-folder "$WORK" --records 1324
+# The A/B's draw was from the corpus at 11,205 records; CORPUS=folder of commit a10483a's corpus/ redraws it exactly.
+python "$(dirname "$0")/corpus.py" train-folder "$WORK" --records 1324 ${CORPUS:+--corpus "$CORPUS"}
 COMMON="--target smollm2-135m-instruct --work-dir $WORK --draft-layers 2 --block-size 8 --feature-layers 1,8,14,20,27
     --draft-vocab-size 8192 --compute-dtype bfloat16 --num-prompts 20000 --labels regenerate --max-new-tokens 512
     --label-minutes 0 --features offline --feature-dtype float16 --num-anchors 128 --loss-weights acceptance --lr 6e-4

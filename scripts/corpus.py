@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 from flashdraft.models import REGISTRY, cache_home, prepare
-from flashdraft.train.corpus import export_records, import_records, read_corpus, read_manifest
+from flashdraft.train.corpus import corpus_ids, export_records, import_records, read_manifest
 from flashdraft.train.pipeline import PROMPT_SETTINGS, PROMPTS_FILE
-from flashdraft.train.records import META_FILE, ShardWriter, read_records
+from flashdraft.train.records import META_FILE, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "smollm2-135m-instruct"
@@ -64,14 +64,12 @@ def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int
     folder.mkdir(parents=True, exist_ok=True)
     for name in (PROMPTS_FILE, PROMPT_SETTINGS):
         shutil.copy(regeneration / name, folder / name)
-    records = list(read_corpus(corpus))
+    ids = sorted(corpus_ids(corpus))
     if count is not None:
-        # The init A/B drew its 1,324 records with this key (BENCHMARKS.md): `--records 1324` redraws them.
-        records = sorted(records, key=lambda r: hashlib.sha256(f"ab:{r.id}".encode()).digest())[:count]
-    settings = dict(read_manifest(corpus)["settings"], model=model)
-    with ShardWriter(folder / "records-regenerate", settings) as writer:
-        writer.write([record for record in records if record.id not in writer.done_ids])
-    return len(records)
+        # The init A/B drew its 1,324 records with this key from the corpus at 11,205 records (BENCHMARKS.md).
+        ids = sorted(ids, key=lambda i: hashlib.sha256(f"ab:{i}".encode()).digest())[:count]
+    import_records(corpus, folder / "records-regenerate", model=model, only=set(ids))
+    return len(ids)
 
 
 def main() -> None:

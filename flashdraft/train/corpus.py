@@ -21,7 +21,7 @@ import hashlib
 import io
 import json
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +132,11 @@ def export_records(records_folder: str | Path, corpus_folder: str | Path, *, tar
     return len(new)
 
 
-def import_records(corpus_folder: str | Path, records_folder: str | Path, *, model: str) -> int:
-    """Write the corpus's records into a regeneration folder (made with the corpus's settings, `model` naming the
-    target's folder on this machine) so that a regeneration run there skips them. Returns how many were added."""
+def import_records(corpus_folder: str | Path, records_folder: str | Path, *, model: str,
+                   only: Collection[str] | None = None) -> int:
+    """Write the corpus's records (those with ids in `only`, when given) into a regeneration folder (made with the
+    corpus's settings, `model` naming the target's folder on this machine) so that a regeneration run there skips
+    them. Returns how many were added."""
     manifest = read_manifest(corpus_folder)
     if not manifest["shards"]:
         return 0
@@ -143,6 +145,7 @@ def import_records(corpus_folder: str | Path, records_folder: str | Path, *, mod
         _check_settings(manifest["settings"], read_meta(records_folder), f"the records in {records_folder}")
         settings = read_meta(records_folder)
     with ShardWriter(records_folder, settings) as writer:
-        new = [record for record in read_corpus(corpus_folder) if record.id not in writer.done_ids]
+        new = [record for record in read_corpus(corpus_folder)
+               if record.id not in writer.done_ids and (only is None or record.id in only)]
         writer.write(new)
     return len(new)
