@@ -4,10 +4,11 @@
                                        # at low priority (nice 19, one thread); resumable, never answers twice
     python scripts/corpus.py export    # append what the work folder holds beyond the corpus (then commit corpus/)
     python scripts/corpus.py status    # records, response tokens and bytes: corpus and work folder
-    python scripts/corpus.py train-folder DIR [--records N]
+    python scripts/corpus.py train-folder DIR [--records N] [--skip K]
                                        # a work folder for `flashdraft train --work-dir DIR --num-prompts 20000
                                        # --label-minutes 0`: the regeneration's prompt set and the corpus's records
-                                       # (all, or a seeded random N of them, e.g. for a recipe A/B)
+                                       # (all, or a seeded random N of them, e.g. for a recipe A/B; --skip K: the N
+                                       # after the first K of the same seeded order, a fresh draw for the next run)
 
 The work folder (default `$FLASHDRAFT_HOME/corpus/TARGET/prompts-N`, N the prompt count of `REGENERATE`) stays
 outside the repository. Pause `grow` while timing
@@ -55,10 +56,13 @@ def lower_session_priority(pid: int) -> None:
         pass
 
 
-def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None, model: str) -> int:
+def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None, model: str,
+                      skip: int = 0) -> int:
     """Write the regeneration's prompt files and the corpus's records (all, or the `count` with the smallest seeded
-    hash of their id) into `folder`, `model` naming the target's folder on this machine. Returns how many records
-    it holds."""
+    hash of their id after the first `skip` of that order) into `folder`, `model` naming the target's folder on this
+    machine. Returns how many records it holds."""
+    if skip and count is None:
+        raise SystemExit("--skip needs --records: it skips the start of the seeded draw")
     if not (regeneration / PROMPT_SETTINGS).is_file():
         raise SystemExit(f"{regeneration} has no prompt set yet: run `python scripts/corpus.py grow` first")
     folder.mkdir(parents=True, exist_ok=True)
@@ -67,7 +71,8 @@ def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int
     ids = sorted(corpus_ids(corpus))
     if count is not None:
         # The init A/B drew its 1,324 records with this key from the corpus at 11,205 records (BENCHMARKS.md).
-        ids = sorted(ids, key=lambda i: hashlib.sha256(f"ab:{i}".encode()).digest())[:count]
+        # Draws of the same order never overlap on the same corpus; a grown corpus slots new records in between.
+        ids = sorted(ids, key=lambda i: hashlib.sha256(f"ab:{i}".encode()).digest())[skip : skip + count]
     import_records(corpus, folder / "records-regenerate", model=model, only=set(ids))
     return len(ids)
 
@@ -78,6 +83,9 @@ def main() -> None:
     parser.add_argument("folder", type=Path, nargs="?", help="train-folder: the work folder to write")
     parser.add_argument("--records", type=int, default=None,
                         help="train-folder: a seeded random subset of this many records (default: all)")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="train-folder: draw after the first this many records of the same seeded order, e.g. "
+                             "the records a previous run did not see (default: 0)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="regeneration work folder (default: $FLASHDRAFT_HOME/corpus/TARGET)")
     parser.add_argument("--corpus", type=Path, default=REPO / "corpus" / TARGET, help="corpus folder")
@@ -97,7 +105,8 @@ def main() -> None:
     if args.action == "train-folder":
         if args.folder is None:
             parser.error("train-folder needs the folder to write")
-        held = make_train_folder(args.corpus, work, args.folder.expanduser(), args.records, str(prepare(TARGET)))
+        held = make_train_folder(args.corpus, work, args.folder.expanduser(), args.records, str(prepare(TARGET)),
+                                 skip=args.skip)
         print(f"{args.folder}: {held} records; train with --work-dir {args.folder} --num-prompts {NUM_PROMPTS} "
               "--label-minutes 0")
         return

@@ -157,3 +157,10 @@ def test_a_training_folder_holds_the_prompt_set_and_the_corpus_or_a_seeded_subse
     assert subsets == [5, 5] and len(drawn[0]) == 5 and drawn[0] == drawn[1]  # seeded: the same draw every time
     assert script.make_train_folder(corpus, regeneration, tmp_path / "a", 5, model="/here") == 5  # rerun: no repeats
     assert len(list(read_records(tmp_path / "a" / "records-regenerate"))) == 5
+    script.make_train_folder(corpus, regeneration, tmp_path / "next", 5, model="/here", skip=5)
+    script.make_train_folder(corpus, regeneration, tmp_path / "ten", 10, model="/here")
+    following = {r.id for r in read_records(tmp_path / "next" / "records-regenerate")}
+    ten = {r.id for r in read_records(tmp_path / "ten" / "records-regenerate")}
+    assert len(following) == 5 and not following & drawn[0] and following | drawn[0] == ten  # the next 5 in order
+    with pytest.raises(SystemExit, match="--skip needs --records"):
+        script.make_train_folder(corpus, regeneration, tmp_path / "bad", None, model="/here", skip=5)
