@@ -194,7 +194,11 @@ class PipelineConfig:
     eval_max_new_tokens: int = setting(128, "length of the target's answer to each evaluation prompt, written once")
     heldout: int = setting(
         16, "records kept out of training for held-out loss, accuracy and the heldout prompt set")
-    seed: int = setting(0, "seed of the prompt mix, the draft's initialisation, anchors and data order")
+    seed: int = setting(0, "seed of the prompt mix, the held-out split and (without --train-seed) the training")
+    train_seed: int | None = setting(
+        None, "seed of the training alone: the draft's initialisation, anchors and data order; the prompt mix and "
+        "the held-out split keep --seed, so a replicate trains in the same work folder on the same data",
+        shown="--seed", type=int)
 
     def __post_init__(self):
         # The command line's text forms, parsed; then every check that needs no model, so that a bad setting fails
@@ -239,6 +243,10 @@ class PipelineConfig:
     def label_kinds(self) -> list[str]:
         return list(LABEL_KINDS) if self.labels == "both" else [self.labels]
 
+    @property
+    def training_seed(self) -> int:
+        return self.seed if self.train_seed is None else self.train_seed
+
     def train_config(self) -> TrainConfig:
         """The trainer's settings (it checks them)."""
         from .trainer import TrainConfig
@@ -250,7 +258,7 @@ class PipelineConfig:
             grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, distill_weight=self.distill_weight,
             loss_chunk=self.loss_chunk, checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints, eval_every=self.eval_every,
-            eval_max_new_tokens=self.eval_max_new_tokens, seed=self.seed, compute_dtype=self.compute_dtype,
+            eval_max_new_tokens=self.eval_max_new_tokens, seed=self.training_seed, compute_dtype=self.compute_dtype,
         )
 
 
@@ -692,7 +700,7 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     if config.until == "features":
         return None
 
-    seed_everything(config.seed)  # the draft's random initialisation (e.g. fc) is part of a reproducible run
+    seed_everything(config.training_seed)  # the draft's random initialisation (e.g. fc) is part of a reproducible run
     draft = DFlashDraftModel.for_target(model.config, num_layers=config.draft_layers, block_size=config.block_size,
                                         mask_token_id=mask_token_id, target_layer_ids=layer_ids)
     if config.init_draft:

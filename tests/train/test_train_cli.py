@@ -405,6 +405,27 @@ def test_the_same_command_trains_the_same_draft(target_folder, tmp_path):
     assert drafts[0] == drafts[1]
 
 
+def test_train_seed_replicates_a_run_in_the_same_work_folder_on_the_same_data(target_folder, tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl")
+    base = train_args(target_folder, tmp_path, "--draft-vocab-size", "0", "--max-steps", "2", "--eval-every", "0")
+    assert main(base) == 0
+    default = (tmp_path / "draft" / "model.safetensors").read_bytes()
+    work = tmp_path / "work"
+    stores = sorted(work.glob("features-*"))
+    drafts = {}
+    for seed in ("0", "1"):
+        capsys.readouterr()
+        out = tmp_path / f"draft-s{seed}"
+        # --seed 1 would be refused here (another prompt mix); --train-seed 1 is not: only the training changes.
+        assert main(base + ["--train-seed", seed, "--run-name", f"s{seed}", "-o", str(out)]) == 0
+        assert "0 new records, 14 already done" in capsys.readouterr().err
+        assert f"--train-seed {seed}" in (out / "README.md").read_text()
+        drafts[seed] = (out / "model.safetensors").read_bytes()
+    assert sorted(work.glob("features-*")) == stores  # the same sequences, held-out split and features
+    assert drafts["0"] == default
+    assert drafts["1"] != default
+
+
 def test_a_command_is_refused_while_another_writes_the_same_data(target_folder, tmp_path, capsys, monkeypatch):
     from flashdraft.train import records
     from flashdraft.train.records import exclusive
