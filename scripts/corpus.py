@@ -4,11 +4,12 @@
                                        # at low priority (nice 19, one thread); resumable, never answers twice
     python scripts/corpus.py export    # append what the work folder holds beyond the corpus (then commit corpus/)
     python scripts/corpus.py status    # records, response tokens and bytes: corpus and work folder
-    python scripts/corpus.py train-folder DIR [--records N] [--skip K]
+    python scripts/corpus.py train-folder DIR [--records N] [--skip K] [--exclude OLD ...]
                                        # a work folder for `flashdraft train --work-dir DIR --num-prompts 20000
                                        # --label-minutes 0`: the regeneration's prompt set and the corpus's records
                                        # (all, or a seeded random N of them, e.g. for a recipe A/B; --skip K: the N
-                                       # after the first K of the same seeded order, a fresh draw for the next run)
+                                       # after the first K of the same seeded order; --exclude OLD: leave out the
+                                       # records earlier training folders hold, a fresh draw for the next run)
 
 The work folder (default `$FLASHDRAFT_HOME/corpus/TARGET/prompts-N`, N the prompt count of `REGENERATE`) stays
 outside the repository. Pause `grow` while timing
@@ -23,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from flashdraft.models import REGISTRY, cache_home, prepare
@@ -57,21 +59,28 @@ def lower_session_priority(pid: int) -> None:
 
 
 def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None, model: str,
-                      skip: int = 0) -> int:
+                      skip: int = 0, exclude: Sequence[Path] = ()) -> int:
     """Write the regeneration's prompt files and the corpus's records (all, or the `count` with the smallest seeded
     hash of their id after the first `skip` of that order) into `folder`, `model` naming the target's folder on this
-    machine. Returns how many records it holds."""
+    machine; the records held by the training folders `exclude` are left out first. Returns how many records it
+    holds."""
     if skip and count is None:
         raise SystemExit("--skip needs --records: it skips the start of the seeded draw")
     if not (regeneration / PROMPT_SETTINGS).is_file():
         raise SystemExit(f"{regeneration} has no prompt set yet: run `python scripts/corpus.py grow` first")
+    used: set[str] = set()
+    for old in exclude:
+        if not (old / "records-regenerate" / META_FILE).is_file():
+            raise SystemExit(f"--exclude {old}: not a training folder (no records-regenerate/{META_FILE})")
+        used |= {record.id for record in read_records(old / "records-regenerate")}
     folder.mkdir(parents=True, exist_ok=True)
     for name in (PROMPTS_FILE, PROMPT_SETTINGS):
         shutil.copy(regeneration / name, folder / name)
-    ids = sorted(corpus_ids(corpus))
+    ids = sorted(set(corpus_ids(corpus)) - used)
     if count is not None:
         # The init A/B drew its 1,324 records with this key from the corpus at 11,205 records (BENCHMARKS.md).
-        # Draws of the same order never overlap on the same corpus; a grown corpus slots new records in between.
+        # Draws of the same order never overlap on the same corpus; a grown corpus slots new records in between,
+        # so a draw after an export overlaps the one before it by a little: --exclude its folder instead of --skip.
         ids = sorted(ids, key=lambda i: hashlib.sha256(f"ab:{i}".encode()).digest())[skip : skip + count]
     import_records(corpus, folder / "records-regenerate", model=model, only=set(ids))
     return len(ids)
@@ -86,6 +95,9 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0,
                         help="train-folder: draw after the first this many records of the same seeded order, e.g. "
                              "the records a previous run did not see (default: 0)")
+    parser.add_argument("--exclude", type=Path, action="append", default=[], metavar="OLD",
+                        help="train-folder: leave out the records this earlier training folder holds (repeatable), "
+                             "so the draw is answers those runs did not see")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="regeneration work folder (default: $FLASHDRAFT_HOME/corpus/TARGET)")
     parser.add_argument("--corpus", type=Path, default=REPO / "corpus" / TARGET, help="corpus folder")
@@ -106,7 +118,7 @@ def main() -> None:
         if args.folder is None:
             parser.error("train-folder needs the folder to write")
         held = make_train_folder(args.corpus, work, args.folder.expanduser(), args.records, str(prepare(TARGET)),
-                                 skip=args.skip)
+                                 skip=args.skip, exclude=[old.expanduser() for old in args.exclude])
         print(f"{args.folder}: {held} records; train with --work-dir {args.folder} --num-prompts {NUM_PROMPTS} "
               "--label-minutes 0")
         return

@@ -164,3 +164,16 @@ def test_a_training_folder_holds_the_prompt_set_and_the_corpus_or_a_seeded_subse
     assert len(following) == 5 and not following & drawn[0] and following | drawn[0] == ten  # the next 5 in order
     with pytest.raises(SystemExit, match="--skip needs --records"):
         script.make_train_folder(corpus, regeneration, tmp_path / "bad", None, model="/here", skip=5)
+    # --exclude leaves out what earlier folders hold: the same draw as --skip on an unchanged corpus, and after
+    # the corpus grows, still none of the old records.
+    assert script.make_train_folder(corpus, regeneration, tmp_path / "fresh", 5, model="/here",
+                                    exclude=[tmp_path / "a"]) == 5
+    assert {r.id for r in read_records(tmp_path / "fresh" / "records-regenerate")} == following
+    export_records(write_folder(tmp_path / "more", records(8, start=12)), corpus, target="t", command="c",
+                   target_sha256="0")
+    script.make_train_folder(corpus, regeneration, tmp_path / "third", 6, model="/here",
+                             exclude=[tmp_path / "a", tmp_path / "next"])
+    third = {r.id for r in read_records(tmp_path / "third" / "records-regenerate")}
+    assert len(third) == 6 and not third & (drawn[0] | following)
+    with pytest.raises(SystemExit, match="--exclude .* not a training folder"):
+        script.make_train_folder(corpus, regeneration, tmp_path / "bad", 5, model="/here", exclude=[tmp_path / "no"])
