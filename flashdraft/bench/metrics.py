@@ -4,6 +4,9 @@
 - decode tokens/s: tokens after the first over the time after the first (pooled over the prompts), so the
   prefill, which every method shares, is left out;
 - speedup: decode tokens/s over that of `ar` on the same dataset (the same as the ratio of decode time per token);
+- median speedup: the median over the prompts of each prompt's own speedup (its decode tokens/s over `ar`'s on the
+  same prompt and turn). The runner runs the methods back to back on each prompt, so a slow spell on a shared host
+  moves both sides of a prompt's ratio; the pooled figure lets one slow prompt weigh by its seconds;
 - time to first token: mean seconds until the target's prefill forward ended;
 - tau: tokens per target forward after the prefill, pooled over all rounds of all prompts (1 for `ar`), and the
   histogram of those acceptance lengths;
@@ -17,6 +20,7 @@ turn answers with the earlier answer in its context, which changes what proposal
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -31,6 +35,20 @@ def decode_tokens_per_second(records: Sequence[Record]) -> float:
     tokens = sum(max(len(record.tokens) - 1, 0) for record in records)
     seconds = sum(record.decode_seconds for record in records)
     return tokens / seconds if tokens and seconds > 0 else 0.0
+
+
+def median_speedup(records: Sequence[Record], baseline: Sequence[Record]) -> float | None:
+    """Median over the prompts of decode tokens/s over the baseline's on the same sample and turn; None when no
+    prompt has a ratio (no baseline record for it, or one side decoded nothing)."""
+    expected = {(record.sample_id, record.turn): record for record in baseline}
+    ratios = []
+    for record in records:
+        paired = expected.get((record.sample_id, record.turn))
+        mine = decode_tokens_per_second([record])
+        theirs = decode_tokens_per_second([paired]) if paired else 0.0
+        if mine > 0 and theirs > 0:
+            ratios.append(mine / theirs)
+    return statistics.median(ratios) if ratios else None
 
 
 def count_differing(records: Sequence[Record], baseline: Sequence[Record]) -> int:
@@ -59,6 +77,7 @@ class Summary:
     output_tokens: float  # mean per prompt
     decode_tokens_per_second: float
     speedup: float | None  # over `ar`; None when `ar` decoded nothing
+    median_speedup: float | None  # the median of the per-prompt speedups; None when no prompt has one
     time_to_first_token: float  # mean seconds
     tau: float
     acceptance_histogram: dict[int, int]
@@ -100,6 +119,7 @@ def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
                 output_tokens=sum(len(record.tokens) for record in group) / len(group),
                 decode_tokens_per_second=throughput,
                 speedup=throughput / baseline_throughput if baseline_throughput > 0 else None,
+                median_speedup=median_speedup(group, baseline),
                 time_to_first_token=sum(record.time_to_first_token for record in group) / len(group),
                 tau=tau(lengths),
                 acceptance_histogram=acceptance_histogram(lengths),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashdraft.bench.metrics import count_differing, decode_tokens_per_second, summarize
+from flashdraft.bench.metrics import count_differing, decode_tokens_per_second, median_speedup, summarize
 from flashdraft.bench.runner import Record
 from flashdraft.decoding import acceptance_histogram, tau
 
@@ -40,6 +40,22 @@ def test_count_differing_matches_records_by_sample_and_turn():
     assert count_differing(baseline, baseline) == 0
 
 
+def test_median_speedup_pairs_each_prompt_with_the_baseline_on_the_same_prompt():
+    baseline = [record("ar", range(5), 2.0, 0.0, sample="a"),  # 2 tok/s
+                record("ar", range(5), 4.0, 0.0, sample="b"),  # 1 tok/s (a slow spell)
+                record("ar", range(5), 1.0, 0.0, sample="c"),  # 4 tok/s
+                record("ar", range(5), 1.0, 0.0, sample="c", turn=1)]  # 4 tok/s
+    spec = [record("x", range(5), 1.0, 0.0, sample="b"),  # 4 tok/s: 4x its own prompt's baseline
+            record("x", range(5), 0.5, 0.0, sample="a"),  # 8 tok/s: 4x
+            record("x", range(5), 0.5, 0.0, sample="c"),  # 8 tok/s: 2x
+            record("x", range(5), 2.0, 0.0, sample="c", turn=1)]  # 2 tok/s: 0.5x
+    assert median_speedup(spec, baseline) == pytest.approx(3.0)  # median of 0.5, 2, 4, 4
+    # pooled: 16 tokens in 4 s against 16 tokens in 8 s
+    assert decode_tokens_per_second(spec) / decode_tokens_per_second(baseline) == pytest.approx(2.0)
+    # a prompt whose answer has one token has no decode rate and no ratio
+    assert median_speedup([record("x", [1], 1.0, 0.0, sample="a")], baseline) is None
+
+
 def test_summary_per_dataset_and_method():
     records = [
         # dataset d: ar decodes 8 tokens in 4 s (2 tok/s); spec decodes 8 tokens in 1 s (8 tok/s)
@@ -65,6 +81,7 @@ def test_summary_per_dataset_and_method():
     e = summaries["e", "spec"]
     # ar: 4 tokens / 2 s = 2 tok/s; spec: 4 tokens / 1 s = 4 tok/s
     assert e.speedup == pytest.approx(2.0)
+    assert e.median_speedup == pytest.approx(2.0)
     assert e.differs_from_ar == 1
     assert e.tau == 2.0 and e.acceptance_histogram == {2: 2}
     assert summaries["e", "ar"].time_to_first_token == 1.0

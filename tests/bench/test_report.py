@@ -24,9 +24,11 @@ def test_markdown_table_rows():
     assert lines[0].startswith("| dataset | method |")
     assert len(lines) == 2 + 4
     # humaneval: ar 4 tokens / 2 s = 2 tok/s; flashdraft 4 / 0.5 s = 8 tok/s -> 4x, tau 2, same output
-    assert lines[3] == "| humaneval | flashdraft-b4 | 1 | 5.0 | 8.0 | 4.00x | 250 | 2.00 | target 60%, dflash 40% | 0 |"
+    assert lines[3] == (
+        "| humaneval | flashdraft-b4 | 1 | 5.0 | 8.0 | 4.00x | 4.00x | 250 | 2.00 | target 60%, dflash 40% | 0 |"
+    )
     # gsm8k: ar 2 / 1 s; flashdraft 2 / 0.25 s -> 4x; its output differs from ar's
-    assert lines[5] == "| gsm8k | flashdraft-b4 | 1 | 3.0 | 8.0 | 4.00x | 250 | 2.00 | n/a | 1 |"
+    assert lines[5] == "| gsm8k | flashdraft-b4 | 1 | 3.0 | 8.0 | 4.00x | 4.00x | 250 | 2.00 | n/a | 1 |"
     sampled = markdown_table(summarize(RECORDS, greedy=False))
     assert sampled.splitlines()[3].endswith("| n/a (sampling) |")
 
