@@ -60,6 +60,25 @@ def read_corpus(folder: str | Path) -> Iterator[TrainingRecord]:
                                  response_start=int(arrays["response_starts"][i]))
 
 
+def response_counts(folder: str | Path, vocab_size: int, *, exclude: Collection[str] = ()) -> np.ndarray:
+    """[vocab_size] how often each token occurs in the corpus's responses, leaving out the records in `exclude` (e.g.
+    a run's held-out records, so that nothing about them steers its training)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if not manifest["shards"]:
+        raise ValueError(f"{folder} holds no corpus ({MANIFEST} lists no shards): give the folder of a corpus, e.g. "
+                         "corpus/TARGET of the repository")
+    made_for = manifest["settings"].get("vocab_size")
+    if made_for != vocab_size:
+        raise ValueError(f"the corpus in {folder} was made with a vocabulary of {made_for} tokens, the target has "
+                         f"{vocab_size}: give a corpus of this target's answers")
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for record in read_corpus(folder):
+        if record.id not in exclude:
+            counts += np.bincount(record.input_ids[record.response_start :], minlength=vocab_size)
+    return counts
+
+
 def corpus_ids(folder: str | Path) -> set[str]:
     return {record.id for record in read_corpus(folder)}
 

@@ -91,12 +91,18 @@ class DraftVocabulary:
     ) -> tuple[DraftVocabulary, float]:
         """The `size` tokens most frequent among the labels of `sequences` (ties: lower id first), and the share of
         labels they cover."""
+        counts = label_counts(sequences, vocab_size)
+        vocabulary = cls.from_counts(counts, size)
+        return vocabulary, vocabulary.coverage(counts)
+
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor, size: int) -> DraftVocabulary:
+        """The `size` most counted tokens of `counts` ([V] per target token; ties: lower id first)."""
+        vocab_size = counts.numel()
         if not 0 < size <= vocab_size:
             raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}] (the target vocabulary), got {size}")
-        counts = label_counts(sequences, vocab_size)
         order = torch.sort(-counts, stable=True).indices
-        vocabulary = cls.from_ids(order[:size], vocab_size)
-        return vocabulary, vocabulary.coverage(counts)
+        return cls.from_ids(order[:size], vocab_size)
 
     def coverage(self, counts: torch.Tensor) -> float:
         """Share of the counted tokens that the vocabulary contains."""

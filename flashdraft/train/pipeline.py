@@ -92,6 +92,10 @@ class PipelineConfig:
         8192, "draft over the N tokens most frequent in the target's outputs (the loss and the drafting head use "
         "only those rows; the ids are saved with the draft); 0 = the full vocabulary",
         shown="{}, or the full vocabulary when it is not larger than twice that")
+    draft_vocab_corpus: Path | None = setting(
+        None, "choose the drafting vocabulary from the answers of this corpus folder (e.g. corpus/TARGET of the "
+        "repository), less this run's held-out records, instead of from this run's training labels: a larger sample "
+        "when the run trains on a draw of the corpus", type=Path)
     # Off since an A/B at equal steps from scratch (BENCHMARKS.md, "The recipe A/B on the draft's initialisation"):
     # random layers reached held-out tau 1.30 after 300 steps, layers copied from the target 1.21.
     init_from_target: bool = setting(
@@ -206,6 +210,10 @@ class PipelineConfig:
         self.output = Path(self.output)
         self.work_dir = None if self.work_dir is None else Path(self.work_dir)
         self.init_draft = None if self.init_draft is None else Path(self.init_draft)
+        self.draft_vocab_corpus = None if self.draft_vocab_corpus is None else Path(self.draft_vocab_corpus)
+        if self.draft_vocab_corpus is not None and not (self.draft_vocab_corpus / "manifest.json").is_file():
+            raise ValueError(f"--draft-vocab-corpus {self.draft_vocab_corpus} holds no corpus (no manifest.json): "
+                             "give a corpus folder, e.g. corpus/TARGET of the repository")
         files = [self.prompts] if isinstance(self.prompts, str | Path) else self.prompts
         self.prompts = tuple(Path(file) for file in files)
         self.feature_layers = _parse_feature_layers(self.feature_layers)
@@ -659,9 +667,10 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     from ..draft import DFlashDraftModel
     from ..models import load_target
     from ..text import stop_token_ids
+    from .corpus import response_counts
     from .distributed import barrier
     from .features import FeatureStore, OnlineFeatures, build_feature_store
-    from .loss import DraftVocabulary
+    from .loss import DraftVocabulary, label_counts
     from .prompts import read_prompt_file
     from .trainer import Trainer, init_from_target, save_trained_draft, seed_everything, start_from_draft
 
@@ -723,8 +732,14 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     vocab_size = model.get_input_embeddings().weight.shape[0]
     vocabulary = None
     if config.draft_vocab_size and vocab_size > 2 * config.draft_vocab_size:
-        vocabulary, coverage = DraftVocabulary.most_frequent(sequences, config.draft_vocab_size, vocab_size)
-        _say(f"drafting vocabulary: {len(vocabulary)} tokens cover {coverage:.1%} of the training labels")
+        if config.draft_vocab_corpus is None:
+            vocabulary, coverage = DraftVocabulary.most_frequent(sequences, config.draft_vocab_size, vocab_size)
+        else:
+            counts = response_counts(config.draft_vocab_corpus, vocab_size, exclude={s.id for s in heldout})
+            vocabulary = DraftVocabulary.from_counts(torch.from_numpy(counts), config.draft_vocab_size)
+            coverage = vocabulary.coverage(label_counts(sequences, vocab_size))
+        source = "" if config.draft_vocab_corpus is None else f" (chosen from {config.draft_vocab_corpus})"
+        _say(f"drafting vocabulary{source}: {len(vocabulary)} tokens cover {coverage:.1%} of the training labels")
     trainer = Trainer(
         draft, model, sequences, features, run_dir, train_config, vocabulary=vocabulary,
         heldout=heldout, eval_prompts=eval_prompt_sets(config, tokenizer, heldout),

@@ -6,7 +6,15 @@ import random
 import numpy as np
 import pytest
 
-from flashdraft.train.corpus import MANIFEST, corpus_ids, export_records, import_records, read_corpus, read_manifest
+from flashdraft.train.corpus import (
+    MANIFEST,
+    corpus_ids,
+    export_records,
+    import_records,
+    read_corpus,
+    read_manifest,
+    response_counts,
+)
 from flashdraft.train.records import ShardWriter, TrainingRecord, read_records, run_resumable
 
 SETTINGS = {"stage": "regenerate", "model": "/somewhere/smollm2", "num_layers": 30, "hidden_size": 576,
@@ -126,6 +134,22 @@ def test_import_refuses_a_work_folder_of_other_settings(tmp_path):
     write_folder(tmp_path / "other", records(1, start=50), dict(SETTINGS, temperature=0.7))
     with pytest.raises(ValueError, match="differences: temperature"):
         import_records(corpus, tmp_path / "other", model="/here")
+
+
+def test_response_counts_count_the_answers_only_and_leave_out_the_excluded_records(tmp_path):
+    made = [TrainingRecord(id="a", source="math", input_ids=[7, 7, 3, 3, 3], response_start=2),
+            TrainingRecord(id="b", source="math", input_ids=[9, 3, 5], response_start=1),
+            TrainingRecord(id="c", source="math", input_ids=[1, 5, 5, 5, 5], response_start=1)]
+    export_records(write_folder(tmp_path / "work", made), tmp_path / "corpus", target="t", command="cmd")
+    counts = response_counts(tmp_path / "corpus", 49152)
+    assert counts.shape == (49152,) and counts.sum() == 3 + 2 + 4  # prompts (7, 9, 1) not counted
+    assert (counts[3], counts[5], counts[7], counts[9], counts[1]) == (4, 5, 0, 0, 0)
+    held_out = response_counts(tmp_path / "corpus", 49152, exclude={"c"})
+    assert (held_out[3], held_out[5]) == (4, 1)
+    with pytest.raises(ValueError, match="vocabulary of 49152 tokens, the target has 96"):
+        response_counts(tmp_path / "corpus", 96)
+    with pytest.raises(ValueError, match="holds no corpus"):
+        response_counts(tmp_path / "nothing", 49152)
 
 
 def test_an_empty_corpus_reads_as_empty(tmp_path):

@@ -153,6 +153,15 @@ def test_most_frequent_vocabulary_ties_coverage_and_mapping():
         DraftVocabulary.most_frequent(seqs, V + 1, V)
 
 
+def test_vocabulary_from_counts_takes_the_most_counted_ties_to_the_lower_id():
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[[4, 8, 2, 6]] = torch.tensor([5, 5, 9, 1])
+    assert DraftVocabulary.from_counts(counts, 3).ids.tolist() == [2, 4, 8]
+    assert DraftVocabulary.from_counts(counts, 1).ids.tolist() == [2]
+    with pytest.raises(ValueError, match="vocabulary size"):
+        DraftVocabulary.from_counts(counts, 0)
+
+
 def test_reduced_vocabulary_loss_ignores_outside_labels_and_counts_them_as_misses():
     seqs = [sequence([2, 3, 4, 5, 6, 7, 8, 9], 1)]
     batch = make_blocks(seqs, [[1, 4]], block_size=3, mask_token_id=1)  # blocks learn tokens 4, 5 and 7, 8

@@ -97,6 +97,30 @@ def test_teacher_forced_and_regenerated_with_distillation_and_reduced_vocabulary
     assert not list(work.glob("features-*"))  # online: nothing stored
 
 
+def test_the_drafting_vocabulary_can_come_from_a_corpus(target_folder, tmp_path):
+    from flashdraft.train.corpus import export_records
+    from flashdraft.train.records import ShardWriter, TrainingRecord
+
+    # A corpus whose answers use tokens 50-57 only: the run's own labels would choose others.
+    answers = [TrainingRecord(id=f"c{i}", source="math", input_ids=[5, 6] + [50 + (i + j) % 8 for j in range(12)],
+                              response_start=2) for i in range(6)]
+    settings = {"stage": "regenerate", "vocab_size": 96}
+    with ShardWriter(tmp_path / "records", settings) as writer:
+        writer.write(answers)
+    export_records(tmp_path / "records", tmp_path / "corpus", target="tiny", command="cmd")
+    prompt_file(tmp_path / "prompts.jsonl")
+    args = train_args(target_folder, tmp_path, "--draft-vocab-size", "8", "--features", "online",
+                      "--draft-vocab-corpus", str(tmp_path / "corpus"))
+    assert main(args) == 0
+    draft = DFlashDraftModel.from_pretrained(tmp_path / "draft")
+    assert draft.draft_vocab_ids.tolist() == list(range(50, 58))
+    assert f"--draft-vocab-corpus {tmp_path / 'corpus'}" in (tmp_path / "draft" / "README.md").read_text()
+
+    with pytest.raises(ValueError, match="holds no corpus"):
+        config_from_args(build_parser().parse_args(train_args(target_folder, tmp_path, "--draft-vocab-corpus",
+                                                               str(tmp_path / "records"))))
+
+
 def test_until_stops_after_a_stage(target_folder, tmp_path):
     prompt_file(tmp_path / "prompts.jsonl")
     assert main(train_args(target_folder, tmp_path, "--until", "labels")) == 0
