@@ -211,8 +211,10 @@ class PipelineConfig:
         self.work_dir = None if self.work_dir is None else Path(self.work_dir)
         self.init_draft = None if self.init_draft is None else Path(self.init_draft)
         self.draft_vocab_corpus = None if self.draft_vocab_corpus is None else Path(self.draft_vocab_corpus)
-        if self.draft_vocab_corpus is not None and not (self.draft_vocab_corpus / "manifest.json").is_file():
-            raise ValueError(f"--draft-vocab-corpus {self.draft_vocab_corpus} holds no corpus (no manifest.json): "
+        from .corpus import MANIFEST  # imports numpy: not at the top, where the parser reads this
+
+        if self.draft_vocab_corpus is not None and not (self.draft_vocab_corpus / MANIFEST).is_file():
+            raise ValueError(f"--draft-vocab-corpus {self.draft_vocab_corpus} holds no corpus (no {MANIFEST}): "
                              "give a corpus folder, e.g. corpus/TARGET of the repository")
         files = [self.prompts] if isinstance(self.prompts, str | Path) else self.prompts
         self.prompts = tuple(Path(file) for file in files)
@@ -734,11 +736,12 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     if config.draft_vocab_size and vocab_size > 2 * config.draft_vocab_size:
         if config.draft_vocab_corpus is None:
             vocabulary, coverage = DraftVocabulary.most_frequent(sequences, config.draft_vocab_size, vocab_size)
+            source = ""
         else:
             counts = response_counts(config.draft_vocab_corpus, vocab_size, exclude={s.id for s in heldout})
             vocabulary = DraftVocabulary.from_counts(torch.from_numpy(counts), config.draft_vocab_size)
             coverage = vocabulary.coverage(label_counts(sequences, vocab_size))
-        source = "" if config.draft_vocab_corpus is None else f" (chosen from {config.draft_vocab_corpus})"
+            source = f" (chosen from {config.draft_vocab_corpus})"
         _say(f"drafting vocabulary{source}: {len(vocabulary)} tokens cover {coverage:.1%} of the training labels")
     trainer = Trainer(
         draft, model, sequences, features, run_dir, train_config, vocabulary=vocabulary,
