@@ -351,7 +351,7 @@ class Trainer:
     # ------------------------------------------------------------------ data order
 
     def _fingerprint(self) -> dict:
-        """What fixes the data order: a checkpoint from a run with other values cannot be resumed."""
+        """What fixes the data order and the loss: a checkpoint from a run with other values cannot be resumed."""
         return {
             "sequences": [s.id for s in self.sequences],
             "global_batch": self.global_batch,
@@ -359,6 +359,8 @@ class Trainer:
             "num_anchors": self.config.num_anchors,
             "block_size": self.draft.block_size,
             "seed": self.config.seed,
+            # The rows the loss scores: another drafting vocabulary would train the resumed steps on another task.
+            "draft_vocab_ids": None if self.vocabulary is None else self.vocabulary.ids.tolist(),
         }
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -705,8 +707,9 @@ class Trainer:
         if state is None:
             return None
         fingerprint = self._fingerprint()
-        if state["fingerprint"] != fingerprint:
-            changed = sorted(k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k])
+        # A key absent from the checkpoint was not recorded by the flashdraft version that wrote it: not a difference.
+        changed = sorted(k for k in fingerprint if state["fingerprint"].get(k, fingerprint[k]) != fingerprint[k])
+        if changed:
             raise ValueError(
                 f"{self.run_dir} holds a run with other settings (differences: {', '.join(changed)}): resume with "
                 "the same data and settings, or choose another run folder"

@@ -15,6 +15,7 @@ import flashdraft
 from flashdraft import DFlashDraftModel
 from flashdraft.draft import check_draft_folder
 from flashdraft.evaluation.replay import greedy_answers
+from flashdraft.files import file_sha256
 from flashdraft.train import features as features_module
 from flashdraft.train import trainer as trainer_module
 from flashdraft.train.blocks import TrainingSequence
@@ -106,6 +107,30 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     with pytest.raises(ValueError, match="other settings.*global_batch"):
         make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=3, max_steps=3))
 
+
+def test_resume_with_another_drafting_vocabulary_is_refused(tmp_path):
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=3, checkpoint_every=3)
+    make_trainer(tmp_path, config=config, vocabulary=DraftVocabulary.from_ids(range(40), VOCAB)).train()
+    assert make_trainer(tmp_path, config=config, vocabulary=DraftVocabulary.from_ids(range(40), VOCAB)).step == 3
+    with pytest.raises(ValueError, match=r"other settings \(differences: draft_vocab_ids\)"):
+        make_trainer(tmp_path, config=config, vocabulary=DraftVocabulary.from_ids(range(1, 41), VOCAB))
+    with pytest.raises(ValueError, match=r"other settings \(differences: draft_vocab_ids\)"):
+        make_trainer(tmp_path, config=config)
+
+
+def test_checkpoint_of_an_earlier_version_without_the_vocabulary_key_resumes(tmp_path):
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=3, checkpoint_every=3)
+    make_trainer(tmp_path, config=config).train()
+    (path,) = (tmp_path / "run" / trainer_module.CHECKPOINT_DIR).glob("step-*.pt")
+    state = torch.load(path, weights_only=True)
+    del state["fingerprint"]["draft_vocab_ids"]
+    torch.save(state, path)
+    record = path.with_suffix(".json")  # its checksum file, as that version wrote it for these bytes
+    record.write_text(json.dumps({**json.loads(record.read_text()), "bytes": path.stat().st_size,
+                                  "sha256": file_sha256(path)}))
+    assert make_trainer(tmp_path, config=config).step == 3
+    with pytest.raises(ValueError, match=r"other settings \(differences: global_batch\)"):
+        make_trainer(tmp_path, config=tiny_config(num_anchors=4, batch_size=3, max_steps=3))
 
 def test_acceptance_loss_weights_follow_the_running_accuracy_and_resume(tmp_path):
     config = tiny_config(num_anchors=4, batch_size=2, max_steps=6, checkpoint_every=3, learning_rate=3e-3,
