@@ -621,12 +621,14 @@ class Trainer:
         self.draft.train()
         return result
 
-    def _score(self, evaluation: dict) -> float | None:
-        """Higher is better: mean tau over the prompt sets, else minus the held-out loss."""
+    def _score(self, evaluation: dict) -> tuple[float, float] | None:
+        """Higher is better: mean tau over the prompt sets, else minus the held-out loss; equal taus (the same
+        round count) are told apart by the held-out loss."""
+        loss = evaluation.get("heldout_loss")
         if evaluation["tau"]:
-            return sum(evaluation["tau"].values()) / len(evaluation["tau"])
-        if "heldout_loss" in evaluation:
-            return -evaluation["heldout_loss"]
+            return sum(evaluation["tau"].values()) / len(evaluation["tau"]), -loss if loss is not None else 0.0
+        if loss is not None:
+            return -loss, 0.0
         return None
 
     def _evaluate_and_keep(self) -> None:
@@ -636,7 +638,7 @@ class Trainer:
             score = self._score(evaluation)
             self.evaluations.append(evaluation)
             self._append_metrics({"eval": evaluation})
-            keep = score is not None and math.isfinite(score)  # a NaN score would win against nothing, then stay
+            keep = score is not None and all(map(math.isfinite, score))  # a NaN would win against nothing, then stay
             if keep and (self.best is None or score > self._score(self.best)):
                 self.best = evaluation
                 _save_draft_atomic(self.draft, self.run_dir / BEST_DIR)

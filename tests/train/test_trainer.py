@@ -384,6 +384,20 @@ def test_evaluates_by_speculative_decoding_keeps_the_best_and_writes_the_output(
     assert json.loads((output / "training.json").read_text())["summary"]["steps"] == 6
 
 
+def test_equal_taus_keep_the_draft_with_the_lower_heldout_loss(tmp_path):
+    scripted = {2: (2.0, 1.0), 4: (2.0, 0.8), 6: (1.9, 0.5), 8: (2.0, float("nan"))}
+
+    class Scripted(Trainer):
+        def evaluate(self):
+            tau, loss = scripted[self.step]
+            return {"step": self.step, "tau": {"p": tau}, "heldout_loss": loss}
+
+    target, draft = target_and_draft(draft_seed=1)
+    config = tiny_config(num_anchors=4, batch_size=2, max_steps=8, eval_every=2, checkpoint_every=100)
+    trainer = Scripted(draft, target, pattern_sequences(12), OnlineFeatures(target, FEATURE_LAYERS), tmp_path / "run",
+                       config, progress=False)
+    assert trainer.train().best["step"] == 4
+
 def test_init_from_target_copies_the_last_layers():
     target, draft = target_and_draft(num_layers=2)
     copied = init_from_target(draft, target)
