@@ -2,25 +2,29 @@
 # Issue 11, the recipe of drafts v11-v14 in one script (BENCHMARKS.md, "Draft v14"): continue the shipped draft on a
 # draw of corpus answers, then average it with the run's drafts and keep what the held-out records say is best.
 #
-#   bash scripts/continue_draft.sh OUT RECORDS SKIP STEPS [LR]
-#   bash scripts/continue_draft.sh /root/fd-runs/v15 3600 13100 1600 6e-4
+#   bash scripts/continue_draft.sh OUT RECORDS STEPS [LR]
+#   bash scripts/continue_draft.sh /root/fd-runs/v15 3600 1600 6e-4
 #
 # Stages, each resumed when the script runs again: the draw (`scripts/corpus.py train-folder OUT/work --records
-# RECORDS --skip SKIP`; check it against earlier draws), its offline features, the shipped draft's held-out
+# RECORDS`, leaving out every shipped draft's draw, corpus/TARGET/draws/*.txt; its ids go to OUT/draw.txt, to
+# commit as draws/vNN.txt with the draft), its offline features, the shipped draft's held-out
 # baseline (one step at lr 1e-12), the run (one schedule of STEPS steps, evaluated every STEPS/4), then the means of
 # the shipped draft with the run's kept and last drafts (`scripts/average_drafts.py`), each evaluated on the same
 # held-out records. It prints every held-out tau; ship the best after its replay (`scripts/ship_draft.py`, then
 # `flashdraft bench --replay`). Pause the regeneration first: a niced thread beside the run still stalls its steps.
 set -euo pipefail
-OUT=$1 RECORDS=$2 SKIP=$3 STEPS=$4 LR=${5:-6e-4}
+OUT=$1 RECORDS=$2 STEPS=$3 LR=${4:-6e-4}
 HERE=$(cd "$(dirname "$0")" && pwd)
 SHIPPED="$HERE/../flashdraft/drafts/smollm2-135m-instruct"
 WORK="$OUT/work"
 mkdir -p "$OUT"
 [ -d "$OUT/init" ] || cp -r "$SHIPPED" "$OUT/init"  # the draft the run starts from, as it was when it began
 if [ ! -d "$WORK/records-regenerate" ]; then
-    python "$HERE/corpus.py" train-folder "$WORK" --records "$RECORDS" --skip "$SKIP"
+    python "$HERE/corpus.py" train-folder "$WORK" --records "$RECORDS" \
+        $(for drawn in "$HERE"/../corpus/smollm2-135m-instruct/draws/*.txt; do echo --exclude "$drawn"; done)
 fi
+[ -f "$OUT/draw.txt" ] || python -c "import sys; from flashdraft.train.records import read_records
+print(''.join(sorted(r.id + '\n' for r in read_records(sys.argv[1]))), end='')" "$WORK/records-regenerate" > "$OUT/draw.txt"
 COMMON="--target smollm2-135m-instruct --work-dir $WORK --draft-layers 2 --block-size 8
     --feature-layers 1,8,14,20,27 --draft-vocab-size 8192 --draft-vocab-corpus $HERE/../corpus/smollm2-135m-instruct
     --compute-dtype bfloat16 --threads 2 --num-prompts 20000 --labels regenerate --max-new-tokens 512

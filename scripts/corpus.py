@@ -62,16 +62,20 @@ def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int
                       skip: int = 0, exclude: Sequence[Path] = ()) -> int:
     """Write the regeneration's prompt files and the corpus's records (all, or the `count` with the smallest seeded
     hash of their id after the first `skip` of that order) into `folder`, `model` naming the target's folder on this
-    machine; the records held by the training folders `exclude` are left out first. Returns how many records it
-    holds."""
+    machine; the records held by the training folders or listed in the id files `exclude` are left out first.
+    Returns how many records it holds."""
     if skip and count is None:
         raise SystemExit("--skip needs --records: it skips the start of the seeded draw")
     if not (regeneration / PROMPT_SETTINGS).is_file():
         raise SystemExit(f"{regeneration} has no prompt set yet: run `python scripts/corpus.py grow` first")
     used: set[str] = set()
     for old in exclude:
+        if old.is_file():  # a list of record ids, one a line: a shipped draft's draw (corpus/TARGET/draws/)
+            used |= {line.strip() for line in old.read_text().splitlines() if line.strip()}
+            continue
         if not (old / "records-regenerate" / META_FILE).is_file():
-            raise SystemExit(f"--exclude {old}: not a training folder (no records-regenerate/{META_FILE})")
+            raise SystemExit(f"--exclude {old}: not a training folder (no records-regenerate/{META_FILE}) nor a "
+                             "file of record ids")
         used |= {record.id for record in read_records(old / "records-regenerate")}
     folder.mkdir(parents=True, exist_ok=True)
     for name in (PROMPTS_FILE, PROMPT_SETTINGS):
@@ -96,8 +100,9 @@ def main() -> None:
                         help="train-folder: draw after the first this many records of the same seeded order, e.g. "
                              "the records a previous run did not see (default: 0)")
     parser.add_argument("--exclude", type=Path, action="append", default=[], metavar="OLD",
-                        help="train-folder: leave out the records this earlier training folder holds (repeatable), "
-                             "so the draw is answers those runs did not see")
+                        help="train-folder: leave out the records this earlier training folder holds, or that this "
+                             "file lists (one id a line, e.g. corpus/TARGET/draws/*.txt: the shipped drafts' draws); "
+                             "repeatable, so the draw is answers those runs did not see")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="regeneration work folder (default: $FLASHDRAFT_HOME/corpus/TARGET)")
     parser.add_argument("--corpus", type=Path, default=REPO / "corpus" / TARGET, help="corpus folder")

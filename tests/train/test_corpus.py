@@ -199,5 +199,9 @@ def test_a_training_folder_holds_the_prompt_set_and_the_corpus_or_a_seeded_subse
                              exclude=[tmp_path / "a", tmp_path / "next"])
     third = {r.id for r in read_records(tmp_path / "third" / "records-regenerate")}
     assert len(third) == 6 and not third & (drawn[0] | following)
+    listed = tmp_path / "draw.txt"  # the same exclusion from a file of ids (a shipped draft's draw)
+    listed.write_text("".join(f"{i}\n" for i in sorted(drawn[0] | following)) + "\n")
+    script.make_train_folder(corpus, regeneration, tmp_path / "third-listed", 6, model="/here", exclude=[listed])
+    assert {r.id for r in read_records(tmp_path / "third-listed" / "records-regenerate")} == third
     with pytest.raises(SystemExit, match="--exclude .* not a training folder"):
         script.make_train_folder(corpus, regeneration, tmp_path / "bad", 5, model="/here", exclude=[tmp_path / "no"])
