@@ -52,6 +52,7 @@ LABEL_KINDS = ("regenerate", "teacher-forced")
 LOSS_WEIGHTINGS = ("decay", "acceptance")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 HELDOUT_SET = "heldout"
+DRAFT_VOCAB_FILE = "draft_vocab_ids.json"  # in the run folder: the vocabulary a --draft-vocab-corpus run chose
 
 
 def setting(default: Any = MISSING, help: str = "", *, shown: str | None = None, **cli) -> Any:
@@ -738,8 +739,15 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
             vocabulary, coverage = DraftVocabulary.most_frequent(sequences, config.draft_vocab_size, vocab_size)
             source = ""
         else:
-            counts = response_counts(config.draft_vocab_corpus, vocab_size, exclude={s.id for s in heldout})
-            vocabulary = DraftVocabulary.from_counts(torch.from_numpy(counts), config.draft_vocab_size)
+            # The corpus grows between sessions: a run keeps the vocabulary it chose first, so that it can resume.
+            chosen = run_dir / DRAFT_VOCAB_FILE
+            if chosen.is_file():
+                vocabulary = DraftVocabulary.from_ids(json.loads(chosen.read_text()), vocab_size)
+            else:
+                counts = response_counts(config.draft_vocab_corpus, vocab_size, exclude={s.id for s in heldout})
+                vocabulary = DraftVocabulary.from_counts(torch.from_numpy(counts), config.draft_vocab_size)
+                if dist.is_main:
+                    write_atomic(chosen, json.dumps(vocabulary.ids.tolist()) + "\n")
             coverage = vocabulary.coverage(label_counts(sequences, vocab_size))
             source = f" (chosen from {config.draft_vocab_corpus})"
         _say(f"drafting vocabulary{source}: {len(vocabulary)} tokens cover {coverage:.1%} of the training labels")

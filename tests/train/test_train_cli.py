@@ -115,6 +115,14 @@ def test_the_drafting_vocabulary_can_come_from_a_corpus(target_folder, tmp_path)
     draft = DFlashDraftModel.from_pretrained(tmp_path / "draft")
     assert draft.draft_vocab_ids.tolist() == list(range(50, 58))
     assert f"--draft-vocab-corpus {tmp_path / 'corpus'}" in (tmp_path / "draft" / "README.md").read_text()
+    # The corpus grows (now tokens 60-67 lead): the run resumes with the vocabulary it chose, not a new one.
+    more = [TrainingRecord(id=f"d{i}", source="math", input_ids=[5, 6] + [60 + (i + j) % 8 for j in range(30)],
+                           response_start=2) for i in range(12)]
+    with ShardWriter(tmp_path / "more", settings) as writer:
+        writer.write(more)
+    export_records(tmp_path / "more", tmp_path / "corpus", target="tiny", command="cmd")
+    assert main(args) == 0
+    assert DFlashDraftModel.from_pretrained(tmp_path / "draft").draft_vocab_ids.tolist() == list(range(50, 58))
 
     with pytest.raises(ValueError, match="holds no corpus"):
         config_from_args(build_parser().parse_args(train_args(target_folder, tmp_path, "--draft-vocab-corpus",
