@@ -31,10 +31,11 @@ COMMON="--target smollm2-135m-instruct --work-dir $WORK --draft-layers 2 --block
     --label-minutes 0 --features offline --feature-dtype float16 --max-length 2048 --epochs 3 --num-anchors 128
     --loss-weights acceptance --warmup-ratio 0.02 --batch-size 1 --grad-accum 4 --checkpoint-every 100
     --keep-checkpoints 2 --eval-sets heldout --eval-prompts 16 --eval-max-new-tokens 128 --heldout 24 --seed 0"
-evaluate() {  # held-out tau of a draft folder: one step at lr 1e-12 (the run folder NAME keeps its metrics)
+evaluate() {  # held-out tau of a draft folder: one step at lr 1e-12 (a failure stops the script; see the log)
     # shellcheck disable=SC2086  # the options are meant to split into words
     flashdraft train $COMMON --init-draft "$2" --output "$OUT/eval-$1" --run-name "eval-$1" --max-steps 1 \
-        --lr 1e-12 --eval-every 1 2>&1 | grep "draft written" || true
+        --lr 1e-12 --eval-every 1 > "$OUT/eval-$1.log" 2>&1
+    grep -a "draft written" "$OUT/eval-$1.log"
 }
 # shellcheck disable=SC2086
 flashdraft train $COMMON --init-draft "$OUT/init" --output "$OUT/run" --until features > "$OUT/features.log" 2>&1
