@@ -1,0 +1,187 @@
+"""Pack a target model folder into a few small compressed parts, and unpack it again: how the target's weights
+reach a machine that can only be sent small files (the lent GPU machine takes 64 MiB a call) for training there.
+
+    python scripts/target_pack.py pack OUT --target smollm2-135m-instruct --feature-layers 1,8,14,20,27 \\
+        --keep-tokens corpus/smollm2-135m-instruct --keep-tokens-of flashdraft/drafts/smollm2-135m-instruct \\
+        --part-mb 29.3,43,43,43
+    python scripts/target_pack.py unpack OUT TARGET_FOLDER   # on the other machine: a loadable model folder
+
+The weights travel in bfloat16 (with the config and tokenizer files) (what a GPU trains with), each tensor split into its high and low bytes (the high
+bytes, sign and exponent, compress to a third) and lzma-compressed as one stream, cut into parts of the given sizes
+(a part per call). Two optional cuts make the stream smaller and leave training exact:
+
+- `--feature-layers`: the weights of the layers after the last one the draft reads are zeros. Training reads only
+  the hidden states of the feature layers, which never depend on later layers.
+- `--keep-tokens CORPUS`: the embedding (and tied head) rows of tokens that occur nowhere in the corpus, the drafting
+  vocabulary of `--keep-tokens-of DRAFT` and the tokenizer's special tokens are zeros. Training embeds only the
+  corpus's tokens and scores only the drafting vocabulary's head rows.
+
+Such a folder is for training drafts only: it does not generate as the target does. `unpack` checks every part's
+checksum, so a damaged or missing part is named rather than loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "pack.json"
+WEIGHTS = "model.safetensors"
+LAYER_PREFIX = "model.layers."
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _source_folder(target: str) -> Path:
+    folder = Path(target)
+    if folder.is_dir():
+        return folder
+    from flashdraft.models import REGISTRY, prepare
+
+    if target not in REGISTRY:
+        raise SystemExit(f"--target {target}: neither a model folder nor a registry name ({', '.join(REGISTRY)})")
+    return Path(prepare(target))
+
+
+def kept_token_ids(corpus: Path, drafts: list[Path], tokenizer_folder: Path, vocab_size: int) -> np.ndarray:
+    """[V] bool: the tokens whose embedding rows training can read."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.train.corpus import read_corpus
+
+    keep = np.zeros(vocab_size, dtype=bool)
+    for record in read_corpus(corpus):
+        keep[np.asarray(record.input_ids, dtype=np.int64)] = True
+    for draft in drafts:
+        config = json.loads((draft / "config.json").read_text())["dflash_config"]
+        keep[np.asarray(config.get("draft_vocab_ids") or [], dtype=np.int64)] = True
+        keep[config["mask_token_id"]] = True
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    keep[[i for i in tokenizer.all_special_ids if i < vocab_size]] = True
+    return keep
+
+
+def pack(args) -> None:
+    source = _source_folder(args.target)
+    config = json.loads((source / "config.json").read_text())
+    state = load_file(source / WEIGHTS)
+    num_layers = config["num_hidden_layers"]
+    keep_layers = num_layers
+    if args.feature_layers:
+        keep_layers = max(int(i) for i in args.feature_layers.split(",")) + 1
+        if keep_layers > num_layers:
+            raise SystemExit(f"--feature-layers reads layer {keep_layers - 1}; the target has {num_layers} layers")
+    keep_rows = None
+    if args.keep_tokens:
+        vocab_size = state["model.embed_tokens.weight"].shape[0]
+        keep_rows = torch.from_numpy(kept_token_ids(args.keep_tokens, args.keep_tokens_of, source, vocab_size))
+
+    names, high, low, zeroed_rows = [], [], [], 0
+    for name in sorted(state):
+        tensor = state[name].to(torch.bfloat16)
+        if name.startswith(LAYER_PREFIX) and int(name[len(LAYER_PREFIX):].split(".")[0]) >= keep_layers:
+            tensor = torch.zeros_like(tensor)
+        if keep_rows is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensor = tensor * keep_rows[:, None].to(tensor.dtype)
+            zeroed_rows = int((~keep_rows).sum())
+        planes = tensor.contiguous().view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
+        low.append(planes[:, 0].tobytes())
+        high.append(planes[:, 1].tobytes())
+        names.append({"name": name, "shape": list(tensor.shape)})
+    files = {path.name: path.read_text() for path in sorted(source.iterdir())
+             if path.is_file() and path.suffix in (".json", ".jinja")}  # config, tokenizer, chat template
+    header = json.dumps(files).encode()
+    stream = lzma.compress(header + b"".join(high) + b"".join(low), preset=args.preset)
+
+    out = Path(args.folder)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(float(mb) * 1e6) for mb in args.part_mb.split(",")]
+    if sum(sizes) < len(stream):
+        raise SystemExit(f"the packed weights take {len(stream) / 1e6:.1f} MB, the parts only "
+                         f"{sum(sizes) / 1e6:.1f} MB: give more or larger --part-mb")
+    parts, start = [], 0
+    for number, size in enumerate(sizes):
+        if start >= len(stream):
+            break
+        data = stream[start : start + size]
+        (out / f"part-{number:02d}").write_bytes(data)
+        parts.append({"file": f"part-{number:02d}", "bytes": len(data), "sha256": _sha256(data)})
+        start += size
+    manifest = {"tensors": names, "parts": parts, "files_bytes": len(header), "layers_kept": keep_layers,
+                "rows_zeroed": zeroed_rows, "source": str(source)}
+    (out / MANIFEST).write_text(json.dumps(manifest) + "\n")
+    part_sizes = ", ".join(f"{part['bytes'] / 1e6:.1f}" for part in parts)
+    print(f"{len(stream) / 1e6:.1f} MB in {len(parts)} parts ({part_sizes} MB); layers kept {keep_layers} of {num_layers}; embedding rows zeroed {zeroed_rows}")
+
+
+def unpack(args) -> None:
+    folder = Path(args.folder)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    chunks = []
+    for part in manifest["parts"]:
+        path = folder / part["file"]
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: send every part before unpacking")
+        data = path.read_bytes()
+        if _sha256(data) != part["sha256"]:
+            raise SystemExit(f"{path} does not match its checksum: send it again")
+        chunks.append(data)
+    stream = lzma.decompress(b"".join(chunks))
+    start = manifest["files_bytes"]
+    files = json.loads(stream[:start])
+    total = sum(int(np.prod(t["shape"])) for t in manifest["tensors"])
+    if len(stream) != start + 2 * total:
+        raise SystemExit(f"the unpacked stream holds {len(stream)} bytes, the files and tensors need "
+                         f"{start + 2 * total}")
+    high = np.frombuffer(stream, np.uint8, total, offset=start)
+    low = np.frombuffer(stream, np.uint8, total, offset=start + total)
+    state, at = {}, 0
+    for tensor in manifest["tensors"]:
+        count = int(np.prod(tensor["shape"]))
+        planes = np.stack([low[at : at + count], high[at : at + count]], axis=1)
+        state[tensor["name"]] = torch.from_numpy(planes.copy().view(np.int16)).view(torch.bfloat16).reshape(
+            tensor["shape"])
+        at += count
+    target = Path(args.target)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name, text in files.items():
+        (target / name).write_text(text)
+    save_file(state, target / WEIGHTS, metadata={"format": "pt"})
+    print(f"{target}: {len(state)} tensors, layers kept {manifest['layers_kept']}, "
+          f"embedding rows zeroed {manifest['rows_zeroed']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="write the parts and pack.json into FOLDER")
+    p.add_argument("folder")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
+    p.add_argument("--feature-layers", help="zero the layers after the last of these (comma list)")
+    p.add_argument("--keep-tokens", type=Path, help="corpus folder: zero the embedding rows of tokens not in it")
+    p.add_argument("--keep-tokens-of", type=Path, action="append", default=[],
+                   help="draft folder whose drafting vocabulary and mask token keep their rows (repeatable)")
+    p.add_argument("--part-mb", default="40,40,40,40,40,40,40", help="sizes of the parts in MB, comma list")
+    p.add_argument("--preset", type=int, default=6, help="lzma preset, 0-9")
+    p.set_defaults(run=pack)
+    u = sub.add_parser("unpack", help="rebuild a model folder from FOLDER's parts")
+    u.add_argument("folder")
+    u.add_argument("target")
+    u.set_defaults(run=unpack)
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
