@@ -6,9 +6,10 @@ reach a machine that can only be sent small files (the lent GPU machine takes 64
         --part-mb 29.3,43,43,43
     python scripts/target_pack.py unpack OUT TARGET_FOLDER   # on the other machine: a loadable model folder
 
-The weights travel in bfloat16 (with the config and tokenizer files) (what a GPU trains with), each tensor split into its high and low bytes (the high
-bytes, sign and exponent, compress to a third) and lzma-compressed as one stream, cut into parts of the given sizes
-(a part per call). Two optional cuts make the stream smaller and leave training exact:
+The weights travel in bfloat16 (what a GPU trains with), each tensor split into its high and low bytes (the high
+bytes, sign and exponent, compress to a third) and lzma-compressed as one stream with the config and tokenizer
+files, cut into parts of the given sizes (a part per call). Two optional cuts make the stream smaller and leave
+training exact:
 
 - `--feature-layers`: the weights of the layers after the last one the draft reads are zeros. Training reads only
   the hidden states of the feature layers, which never depend on later layers.
@@ -121,7 +122,8 @@ def pack(args) -> None:
                 "rows_zeroed": zeroed_rows, "source": str(source)}
     (out / MANIFEST).write_text(json.dumps(manifest) + "\n")
     part_sizes = ", ".join(f"{part['bytes'] / 1e6:.1f}" for part in parts)
-    print(f"{len(stream) / 1e6:.1f} MB in {len(parts)} parts ({part_sizes} MB); layers kept {keep_layers} of {num_layers}; embedding rows zeroed {zeroed_rows}")
+    print(f"{len(stream) / 1e6:.1f} MB in {len(parts)} parts ({part_sizes} MB); layers kept {keep_layers} of "
+          f"{num_layers}; embedding rows zeroed {zeroed_rows}")
 
 
 def unpack(args) -> None:

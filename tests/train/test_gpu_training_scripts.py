@@ -15,9 +15,10 @@ from flashdraft.models import load_target
 from flashdraft.train.corpus import export_records
 from flashdraft.train.features import extract_features
 from flashdraft.train.records import TrainingRecord
-from tiny import tiny_target, tiny_tokenizer
 from train.test_corpus import write_folder
 from train.tiny_training import MASK, next_token, one_thread  # noqa: F401
+
+from tiny import tiny_target, tiny_tokenizer
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CORPUS_TOKENS = range(5, 60)  # the tiny corpus uses these tokens only
