@@ -8,8 +8,10 @@ draft work for a lent GPU machine, where the prompt sets `flashdraft train` buil
 
 `train` reads every corpus record but those of `--heldout-ids`, runs the trainer with online target features
 (`flashdraft.train.Trainer`, the draft's shape, feature layers and drafting vocabulary kept from `--init-draft`),
-and sizes the run to the budget: a few probe steps measure a step, then the run takes as many steps as fit in
-`--seconds` (at most `--epochs` over the records) with its warmup and cosine decay over exactly those. It writes
+and sizes the run to the budget: the seconds a step takes (`--step-seconds`, else timed by a few probe steps)
+give as many steps as fit in `--seconds` (at most `--epochs` over the records; `--max-steps` sets the count
+instead), with the warmup and cosine decay over exactly those. A continuation on the same records needs another
+`--seed`, or it sees the same records first again. It writes
 OUT/final and, for weight averaging, OUT/step-N at each `--snapshots` fraction of the steps: draft folders in
 bfloat16. `evaluate` prints, per draft, tau at its block size on the first `--prompts` held-out records' prompts
 (replayed on the target's greedy answers) and the teacher-forced loss and per-position accuracy on all of them:
@@ -82,22 +84,11 @@ def save_bfloat16(draft: DFlashDraftModel, folder: Path) -> Path:
     return folder
 
 
-def train(args) -> None:
-    began = time.perf_counter()
-    device, dtype = device_and_dtype(args.device)
-    model, _ = load_target(args.target, device=device, dtype=dtype)
-    start = DFlashDraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
-    vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
-    training, heldout = corpus_sequences(args.corpus, read_ids(args.heldout_ids), args.max_length)
-    features = OnlineFeatures(model, start.target_layer_ids)
-    settings = dict(learning_rate=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                    warmup_ratio=args.warmup_ratio, num_anchors=args.num_anchors, eval_every=0,
-                    loss_weights=args.loss_weights,
-                    compute_dtype="bfloat16" if device.type == "cuda" else "auto")
-    out, work = Path(args.output), Path(args.work_dir or Path(args.output) / "work")
-
-    # Probe: time a few steps of a throwaway copy, then size the real run to what is left of the budget.
-    probe = Trainer(fresh_draft(model, start), model, training, features, work / "probe",
+def probe_step_seconds(model, start, training, features, vocabulary, settings, folder, device) -> float:
+    """Seconds a step takes, timed on a throwaway copy of the draft. An overestimate on a GPU (about 2x on an H200:
+    every new sequence length costs kernel selection the first time), so a budgeted run ends early there; give
+    --step-seconds from an earlier run's `seconds a step` line instead."""
+    probe = Trainer(fresh_draft(model, start), model, training, features, folder,
                     TrainConfig(**settings, max_steps=10**6, keep_checkpoints=1, checkpoint_every=10**6),
                     vocabulary=vocabulary, progress=False)
     probe.train_step()
@@ -108,14 +99,36 @@ def train(args) -> None:
         probe.train_step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    per_step = (time.perf_counter() - timed) / PROBE_STEPS
-    del probe
-    left = args.seconds - (time.perf_counter() - began) - args.reserve
-    steps = max(1, min(args.epochs * (len(training) // (args.batch_size * args.grad_accum)), int(left / per_step)))
+    return (time.perf_counter() - timed) / PROBE_STEPS
+
+
+def train(args) -> None:
+    began = time.perf_counter()
+    device, dtype = device_and_dtype(args.device)
+    model, _ = load_target(args.target, device=device, dtype=dtype)
+    start = DFlashDraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
+    vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
+    training, heldout = corpus_sequences(args.corpus, read_ids(args.heldout_ids), args.max_length)
+    features = OnlineFeatures(model, start.target_layer_ids)
+    settings = dict(learning_rate=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                    warmup_ratio=args.warmup_ratio, num_anchors=args.num_anchors, eval_every=0,
+                    loss_weights=args.loss_weights, seed=args.seed,
+                    compute_dtype="bfloat16" if device.type == "cuda" else "auto")
+    out, work = Path(args.output), Path(args.work_dir or Path(args.output) / "work")
+
+    epoch_steps = len(training) // (args.batch_size * args.grad_accum)
+    if args.max_steps:
+        steps, rate = min(args.epochs * epoch_steps, args.max_steps), "given"
+    else:
+        per_step = args.step_seconds or probe_step_seconds(model, start, training, features, vocabulary, settings,
+                                                           work / "probe", device)
+        left = args.seconds - (time.perf_counter() - began) - args.reserve
+        steps = max(1, min(args.epochs * epoch_steps, int(left / per_step)))
+        rate = f"{per_step:.3f} s a step, {left:.0f} s left"
     marks = sorted({max(1, round(steps * float(f))) for f in args.snapshots.split(",") if f} - {steps})
-    print(f"{len(training)} training records, {len(heldout)} held out; {per_step:.3f} s a step "
-          f"(global batch {args.batch_size * args.grad_accum}); {steps} steps in {left:.0f} s; snapshots at {marks}",
-          flush=True)
+    print(f"{len(training)} training records, {len(heldout)} held out; global batch "
+          f"{args.batch_size * args.grad_accum}, {epoch_steps} steps an epoch; {steps} steps ({rate}); snapshots at "
+          f"{marks}", flush=True)
 
     class SnapshotTrainer(Trainer):  # writes a bfloat16 draft at each mark, for weight averaging later
         def train_step(self):
@@ -141,6 +154,7 @@ def train(args) -> None:
     save_bfloat16(trainer.draft, out / "final")
     for name in ("training.json", "README.md"):
         (out / "final" / name).write_text((final / name).read_text())
+    print(f"{summary.seconds / summary.steps:.3f} seconds a step", flush=True)
     print(json.dumps({"steps": summary.steps, "epochs": round(summary.epochs, 3), "seconds": round(summary.seconds),
                       "final_loss": summary.final_loss, "final_accuracy": summary.final_accuracy}), flush=True)
 
@@ -183,7 +197,11 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("train", parents=[common], help="continue a draft on the corpus within a time budget")
     t.add_argument("output", help="folder for final/ and step-N/ (bfloat16 drafts) and float32/ (with the card)")
     t.add_argument("--init-draft", required=True, help="draft folder to continue")
-    t.add_argument("--seconds", type=float, required=True, help="budget from start to the written draft")
+    t.add_argument("--seconds", type=float, help="budget from start to the written draft (or give --max-steps)")
+    t.add_argument("--step-seconds", type=float, help="seconds a step takes (default: timed by a few probe steps)")
+    t.add_argument("--max-steps", type=int, help="train this many steps (at most --epochs), whatever the time")
+    t.add_argument("--seed", type=int, default=0, help="data order and anchors: give a new one when continuing a "
+                   "run on the same records, or it sees the same records first again")
     t.add_argument("--reserve", type=float, default=30.0, help="seconds kept for writing the drafts")
     t.add_argument("--epochs", type=int, default=4, help="at most this many passes over the records")
     t.add_argument("--lr", type=float, default=6e-4)
@@ -202,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.set_defaults(run=evaluate)
     args = parser.parse_args(argv)
+    if args.command == "train" and not (args.seconds or args.max_steps):
+        parser.error("train needs --seconds (a time budget) or --max-steps")
     args.argv = argv
     args.run(args)
 

@@ -114,7 +114,8 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
                   "--lr", "3e-3", "--snapshots", "0.5"])
     printed = capsys.readouterr().out
     # 20 training records in global batches of 4: 5 steps an epoch, and the budget holds both epochs.
-    assert "20 training records, 4 held out" in printed and "10 steps in" in printed and "snapshots at [5]" in printed
+    assert "20 training records, 4 held out; global batch 4, 5 steps an epoch; 10 steps (" in printed
+    assert "snapshots at [5]" in printed
     card = json.loads((tmp_path / "out" / "float32" / "training.json").read_text())
     assert card["data"] == {"pattern": {"sequences": 20, "tokens": 20 * 14}}
     assert card["summary"]["steps"] == 10 and card["settings"]["global batch (sequences)"] == 4
@@ -132,6 +133,15 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     assert len(lines) == 2 and lines[0].startswith(f"{start}: tau ") and "held-out loss" in lines[1]
     losses = [float(line.split("held-out loss ")[1].split(",")[0]) for line in lines]
     assert losses[1] < losses[0]  # training on the pattern lowers the loss on held-out records of the same pattern
+
+    trainer.main(["train", str(tmp_path / "again"), *common, "--init-draft", str(tmp_path / "out" / "final"),
+                  "--max-steps", "3", "--seed", "1", "--batch-size", "2", "--grad-accum", "2", "--num-anchors", "4",
+                  "--snapshots", ""])
+    assert "; 3 steps (given); snapshots at []" in capsys.readouterr().out
+    assert json.loads((tmp_path / "again" / "float32" / "training.json").read_text())["summary"]["steps"] == 3
+    with pytest.raises(SystemExit):
+        trainer.main(["train", str(tmp_path / "none"), *common, "--init-draft", str(start)])
+    assert "train needs --seconds (a time budget) or --max-steps" in capsys.readouterr().err
 
     heldout.write_text("pattern:99\n")
     with pytest.raises(SystemExit, match="1 held-out ids are not in .*, e.g. pattern:99: the list belongs to another"):
