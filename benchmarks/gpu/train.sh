@@ -11,7 +11,7 @@ out="${2:?usage: bash benchmarks/gpu/train.sh stash|train OUT [SECONDS]}"
 cd "$(dirname "$0")/../.."
 store=/root/flashdraft-pack
 mkdir -p "$store" "$out"
-cp .gpu/target/* "$store"/
+cp .gpu/target/* "$store"/ 2>/dev/null || true  # none on a later call of the same machine: the stash holds them
 if ls .whl/*.whl >/dev/null 2>&1; then  # the transformers release flashdraft pins, once, outside the repository
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/flashdraft-site \
         .whl/*.whl
