@@ -112,7 +112,7 @@ def train(args) -> None:
     features = OnlineFeatures(model, start.target_layer_ids)
     settings = dict(learning_rate=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                     warmup_ratio=args.warmup_ratio, num_anchors=args.num_anchors, eval_every=0,
-                    loss_weights=args.loss_weights, seed=args.seed,
+                    loss_weights=args.loss_weights, seed=args.seed, loss_chunk=args.loss_chunk,
                     compute_dtype="bfloat16" if device.type == "cuda" else "auto")
     out, work = Path(args.output), Path(args.work_dir or Path(args.output) / "work")
 
@@ -149,7 +149,7 @@ def train(args) -> None:
                          "gamma": trainer.gamma, "loss weights": trainer.config.loss_weights,
                          "global batch (sequences)": trainer.global_batch, "peak learning rate": args.lr,
                          "device": str(device)},
-            "command": "python scripts/train_from_corpus.py train " + " ".join(args.argv)}
+            "command": "python scripts/train_from_corpus.py " + " ".join(args.argv)}
     final = save_trained_draft(trainer.draft, out / "float32", summary, card)
     save_bfloat16(trainer.draft, out / "final")
     for name in ("training.json", "README.md"):
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--grad-accum", type=int, default=2)
     t.add_argument("--num-anchors", type=int, default=128, help="blocks per sequence (the shipped drafts' recipe)")
     t.add_argument("--loss-weights", choices=("decay", "acceptance"), default="acceptance")
+    t.add_argument("--loss-chunk", type=int, default=PipelineConfig.loss_chunk,
+                   help="positions per pass through the output head (larger is fewer passes; try 16384 on a GPU)")
     t.add_argument("--checkpoint-every", type=int, default=10**6, help="trainer checkpoints (default: at the end)")
     t.add_argument("--snapshots", default="0.5,0.75", help="fractions of the steps to write step-N drafts at")
     t.add_argument("--progress", action="store_true", help="show the trainer's progress bar")

@@ -119,6 +119,7 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     card = json.loads((tmp_path / "out" / "float32" / "training.json").read_text())
     assert card["data"] == {"pattern": {"sequences": 20, "tokens": 20 * 14}}
     assert card["summary"]["steps"] == 10 and card["settings"]["global batch (sequences)"] == 4
+    assert card["command"].startswith("python scripts/train_from_corpus.py train ")
     final = DFlashDraftModel.from_pretrained(tmp_path / "out" / "final")
     snapshot = DFlashDraftModel.from_pretrained(tmp_path / "out" / "step-5")
     first = DFlashDraftModel.from_pretrained(start)
@@ -135,7 +136,8 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     assert losses[1] < losses[0]  # training on the pattern lowers the loss on held-out records of the same pattern
 
     trainer.main(["train", str(tmp_path / "again"), *common, "--init-draft", str(tmp_path / "out" / "final"),
-                  "--max-steps", "3", "--seed", "1", "--batch-size", "2", "--grad-accum", "2", "--num-anchors", "4",
+                  "--max-steps", "3", "--seed", "1", "--loss-chunk", "8", "--batch-size", "2", "--grad-accum", "2",
+                  "--num-anchors", "4",
                   "--snapshots", ""])
     assert "; 3 steps (given); snapshots at []" in capsys.readouterr().out
     assert json.loads((tmp_path / "again" / "float32" / "training.json").read_text())["summary"]["steps"] == 3
