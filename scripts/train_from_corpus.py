@@ -6,8 +6,9 @@ draft work for a lent GPU machine, where the prompt sets `flashdraft train` buil
         --heldout-ids HELDOUT.txt --seconds 420 --snapshots 0.5,0.75
     python scripts/train_from_corpus.py evaluate --heldout-ids HELDOUT.txt DRAFT [DRAFT ...]
 
-`train` reads every corpus record but those of `--heldout-ids`, runs the trainer with online target features
-(`flashdraft.train.Trainer`, the draft's shape, feature layers and drafting vocabulary kept from `--init-draft`),
+`train` reads every corpus record but those of `--heldout-ids` (and of `--exclude-ids`), runs the trainer with
+online target features (`flashdraft.train.Trainer`; the draft's shape, feature layers and drafting vocabulary kept
+from `--init-draft`),
 and sizes the run to the budget: the seconds a step takes (`--step-seconds`, else timed by a few probe steps)
 give as many steps as fit in `--seconds` (at most `--epochs` over the records; `--max-steps` sets the count
 instead), with the warmup and cosine decay over exactly those. A continuation on the same records needs another
@@ -48,10 +49,13 @@ def read_ids(path: Path | None) -> set[str]:
     return {line.strip() for line in path.read_text().splitlines() if line.strip()}
 
 
-def corpus_sequences(corpus: Path, heldout_ids: set[str], max_length: int):
-    """(training, held-out) sequences of the corpus, held-out ones in the order of their ids."""
+def corpus_sequences(corpus: Path, heldout_ids: set[str], max_length: int, exclude: set[str] = frozenset()):
+    """(training, held-out) sequences of the corpus, held-out ones in the order of their ids; `exclude` ids are
+    left out of training only."""
     training, heldout = [], []
     for record in read_corpus(corpus):
+        if record.id in exclude and record.id not in heldout_ids:
+            continue
         sequence = TrainingSequence.from_record(record, max_length)
         (heldout if record.id in heldout_ids else training).append(sequence)
     found = {s.id for s in heldout}
@@ -108,7 +112,8 @@ def train(args) -> None:
     model, _ = load_target(args.target, device=device, dtype=dtype)
     start = DFlashDraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
     vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
-    training, heldout = corpus_sequences(args.corpus, read_ids(args.heldout_ids), args.max_length)
+    exclude = set().union(*(read_ids(path) for path in args.exclude_ids))
+    training, heldout = corpus_sequences(args.corpus, read_ids(args.heldout_ids), args.max_length, exclude)
     features = OnlineFeatures(model, start.target_layer_ids)
     settings = dict(learning_rate=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                     warmup_ratio=args.warmup_ratio, num_anchors=args.num_anchors, eval_every=0,
@@ -197,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("train", parents=[common], help="continue a draft on the corpus within a time budget")
     t.add_argument("output", help="folder for final/ and step-N/ (bfloat16 drafts) and float32/ (with the card)")
     t.add_argument("--init-draft", required=True, help="draft folder to continue")
+    t.add_argument("--exclude-ids", type=Path, action="append", default=[],
+                   help="file of record ids not to train on, e.g. corpus/TARGET/draws/*.txt (repeatable)")
     t.add_argument("--seconds", type=float, help="budget from start to the written draft (or give --max-steps)")
     t.add_argument("--step-seconds", type=float, help="seconds a step takes (default: timed by a few probe steps)")
     t.add_argument("--max-steps", type=int, help="train this many steps (at most --epochs), whatever the time")

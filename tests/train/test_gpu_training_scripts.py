@@ -135,11 +135,14 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     losses = [float(line.split("held-out loss ")[1].split(",")[0]) for line in lines]
     assert losses[1] < losses[0]  # training on the pattern lowers the loss on held-out records of the same pattern
 
+    excluded = tmp_path / "seen.txt"
+    excluded.write_text("\n".join(f"pattern:{i}" for i in range(10)) + "\n")  # 8 of them training records
     trainer.main(["train", str(tmp_path / "again"), *common, "--init-draft", str(tmp_path / "out" / "final"),
                   "--max-steps", "3", "--seed", "1", "--loss-chunk", "8", "--batch-size", "2", "--grad-accum", "2",
-                  "--num-anchors", "4",
+                  "--num-anchors", "4", "--exclude-ids", str(excluded),
                   "--snapshots", ""])
-    assert "; 3 steps (given); snapshots at []" in capsys.readouterr().out
+    assert "12 training records, 4 held out; global batch 4, 3 steps an epoch; 3 steps (given); snapshots at []" in (
+        capsys.readouterr().out)
     assert json.loads((tmp_path / "again" / "float32" / "training.json").read_text())["summary"]["steps"] == 3
     with pytest.raises(SystemExit):
         trainer.main(["train", str(tmp_path / "none"), *common, "--init-draft", str(start)])
