@@ -118,7 +118,7 @@ def train(args) -> None:
     settings = dict(learning_rate=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                     warmup_ratio=args.warmup_ratio, num_anchors=args.num_anchors, eval_every=0,
                     loss_weights=args.loss_weights, seed=args.seed, loss_chunk=args.loss_chunk,
-                    compute_dtype="bfloat16" if device.type == "cuda" else "auto")
+                    compute_dtype=args.compute_dtype)
     out, work = Path(args.output), Path(args.work_dir or Path(args.output) / "work")
 
     epoch_steps = len(training) // (args.batch_size * args.grad_accum)
@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--loss-weights", choices=("decay", "acceptance"), default="acceptance")
     t.add_argument("--loss-chunk", type=int, default=PipelineConfig.loss_chunk,
                    help="positions per pass through the output head (larger is fewer passes; try 16384 on a GPU)")
+    t.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="bfloat16",
+                   help="the draft's training passes (bfloat16: the shipped drafts' recipe, on a CPU as on a GPU)")
     t.add_argument("--checkpoint-every", type=int, default=10**6, help="trainer checkpoints (default: at the end)")
     t.add_argument("--snapshots", default="0.5,0.75", help="fractions of the steps to write step-N drafts at")
     t.add_argument("--progress", action="store_true", help="show the trainer's progress bar")
