@@ -89,9 +89,9 @@ def save_bfloat16(draft: DFlashDraftModel, folder: Path) -> Path:
 
 
 def probe_step_seconds(model, start, training, features, vocabulary, settings, folder, device) -> float:
-    """Seconds a step takes, timed on a throwaway copy of the draft. An overestimate on a GPU (about 2x on an H200:
-    every new sequence length costs kernel selection the first time), so a budgeted run ends early there; give
-    --step-seconds from an earlier run's `seconds a step` line instead."""
+    """Seconds a step takes, timed on a throwaway copy of the draft. On a GPU it overestimates (2x on an H200,
+    where the steps grew faster through the run, as if each new sequence length cost a first-time setup), so a
+    budgeted run ends early there; give --step-seconds from an earlier run's `seconds a step` line instead."""
     probe = Trainer(fresh_draft(model, start), model, training, features, folder,
                     TrainConfig(**settings, max_steps=10**6, keep_checkpoints=1, checkpoint_every=10**6),
                     vocabulary=vocabulary, progress=False)
