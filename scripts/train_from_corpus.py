@@ -12,11 +12,12 @@ from `--init-draft`),
 and sizes the run to the budget: the seconds a step takes (`--step-seconds`, else timed by a few probe steps)
 give as many steps as fit in `--seconds` (at most `--epochs` over the records; `--max-steps` sets the count
 instead), with the warmup and cosine decay over exactly those. A continuation on the same records needs another
-`--seed`, or it sees the same records first again. It writes
-OUT/final and, for weight averaging, OUT/step-N at each `--snapshots` fraction of the steps: draft folders in
-bfloat16. `evaluate` prints, per draft, tau at its block size on the first `--prompts` held-out records' prompts
-(replayed on the target's greedy answers) and the teacher-forced loss and per-position accuracy on all of them:
-the figures `flashdraft train` keeps its best draft by.
+`--seed`, or it sees the same records first again. It writes OUT/final, OUT/mean (the mean of the start and the
+final: weight averaging, unless `--no-mean`) and OUT/step-N at each `--snapshots` fraction of the steps, draft
+folders in bfloat16, and OUT/reached.txt, the ids of the records the steps trained on (a later run's
+`--exclude-ids`; `corpus/TARGET/draws/` keeps the shipped drafts' lists). `evaluate` prints, per draft, tau at its
+block size on the first `--prompts` held-out records' prompts (replayed on the target's greedy answers) and the
+teacher-forced loss and per-position accuracy on all of them: the figures `flashdraft train` keeps its best draft by.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from flashdraft.draft import DFlashDraftModel
 from flashdraft.models import load_target
 from flashdraft.text import stop_token_ids
+from flashdraft.train.averaging import average_drafts
 from flashdraft.train.blocks import TrainingSequence
 from flashdraft.train.corpus import read_corpus
 from flashdraft.train.features import OnlineFeatures
@@ -159,6 +161,9 @@ def train(args) -> None:
     save_bfloat16(trainer.draft, out / "final")
     for name in ("training.json", "README.md"):
         (out / "final" / name).write_text((final / name).read_text())
+    (out / "reached.txt").write_text("".join(f"{record}\n" for record in trainer.records_reached()))
+    if args.mean:  # the mean with the start has beaten the run alone in every continuation since v13
+        save_bfloat16(average_drafts(start, [args.init_draft, final]), out / "mean")
     print(f"{summary.seconds / summary.steps:.3f} seconds a step", flush=True)
     print(json.dumps({"steps": summary.steps, "epochs": round(summary.epochs, 3), "seconds": round(summary.seconds),
                       "final_loss": summary.final_loss, "final_accuracy": summary.final_accuracy}), flush=True)
@@ -200,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     common.add_argument("--work-dir", help="checkpoints and caches (default: OUT/work)")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", parents=[common], help="continue a draft on the corpus within a time budget")
-    t.add_argument("output", help="folder for final/ and step-N/ (bfloat16 drafts) and float32/ (with the card)")
+    t.add_argument("output", help="folder for final/, mean/ and step-N/ (bfloat16 drafts), float32/ (with the card) "
+                   "and reached.txt")
     t.add_argument("--init-draft", required=True, help="draft folder to continue")
     t.add_argument("--exclude-ids", type=Path, action="append", default=[],
                    help="file of record ids not to train on, e.g. corpus/TARGET/draws/*.txt (repeatable)")
@@ -224,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--checkpoint-every", type=int, default=10**6, help="trainer checkpoints (default: at the end)")
     t.add_argument("--snapshots", default="0.5,0.75", help="fractions of the steps to write step-N drafts at")
     t.add_argument("--progress", action="store_true", help="show the trainer's progress bar")
+    t.add_argument("--no-mean", dest="mean", action="store_false",
+                   help="skip OUT/mean, the bfloat16 mean of --init-draft and the final draft")
     t.set_defaults(run=train)
     e = sub.add_parser("evaluate", parents=[common], help="held-out tau, loss and accuracy of drafts")
     e.add_argument("drafts", nargs="+", help="draft folders")

@@ -28,5 +28,5 @@ timeout "$((seconds + 45))" python3 scripts/train_from_corpus.py train /root/fd-
     --heldout-ids corpus/smollm2-135m-instruct/draws/heldout-v15.txt --seconds "$seconds" "${@:4}" \
     2>&1 | grep -v "Writing model shards" | tee -a "$out/train.log" || echo "training stopped: status $?" | tee -a "$out/train.log"
 cp /root/fd-out/work/run/metrics.jsonl "$out/" 2>/dev/null || true
-(cd /root/fd-out && tar cf - $(ls -d final step-* 2>/dev/null)) | split -b 15M - "$out/drafts.tar."
+(cd /root/fd-out && tar cf - $(ls -d final mean step-* reached.txt 2>/dev/null)) | split -b 15M - "$out/drafts.tar."
 ls -l "$out"

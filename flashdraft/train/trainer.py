@@ -368,6 +368,14 @@ class Trainer:
         random.Random(f"{self.config.seed}:order:{epoch}").shuffle(order)
         return order
 
+    def records_reached(self) -> list[str]:
+        """Ids of the sequences the steps taken so far trained on, sorted: what a later run on the same corpus can
+        leave out (`--exclude-ids`) to see only new records."""
+        epochs, index = divmod(self.step, self.steps_per_epoch)
+        if epochs:
+            return sorted(s.id for s in self.sequences)
+        return sorted(self.sequences[i].id for i in self._epoch_order(0)[: index * self.global_batch])
+
     def micro_batches(self, step: int) -> tuple[int, list[list[TrainingSequence]]]:
         """(epoch, this process's micro-batches) of optimizer step `step`. The global batch is sorted by length,
         so each micro-batch pads little, and dealt out micro-batch by micro-batch to the processes."""

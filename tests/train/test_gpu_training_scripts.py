@@ -127,6 +127,12 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     assert torch.equal(final.draft_vocab_ids, torch.arange(40, 70))
     assert not torch.equal(final.fc.weight, first.fc.weight.to(torch.bfloat16).float())
     assert not torch.equal(final.fc.weight, snapshot.fc.weight)
+    mean = DFlashDraftModel.from_pretrained(tmp_path / "out" / "mean")
+    exact = (first.fc.weight + DFlashDraftModel.from_pretrained(tmp_path / "out" / "float32").fc.weight) / 2
+    assert torch.equal(mean.fc.weight, exact.to(torch.bfloat16).float())
+    # Two whole epochs: every training record was reached, none of the held-out ones.
+    reached = (tmp_path / "out" / "reached.txt").read_text().splitlines()
+    assert reached == sorted(f"pattern:{i}" for i in range(24) if i not in (3, 9, 17, 20))
 
     trainer.main(["evaluate", *common, "--prompts", "2", "--max-new-tokens", "8", str(start),
                   str(tmp_path / "out" / "final")])
@@ -138,12 +144,16 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     excluded = tmp_path / "seen.txt"
     excluded.write_text("\n".join(f"pattern:{i}" for i in range(10)) + "\n")  # 8 of them training records
     trainer.main(["train", str(tmp_path / "again"), *common, "--init-draft", str(tmp_path / "out" / "final"),
-                  "--max-steps", "3", "--seed", "1", "--loss-chunk", "8", "--batch-size", "2", "--grad-accum", "2",
+                  "--max-steps", "2", "--seed", "1", "--loss-chunk", "8", "--batch-size", "2", "--grad-accum", "2",
                   "--num-anchors", "4", "--exclude-ids", str(excluded),
                   "--snapshots", ""])
-    assert "12 training records, 4 held out; global batch 4, 3 steps an epoch; 3 steps (given); snapshots at []" in (
+    assert "12 training records, 4 held out; global batch 4, 3 steps an epoch; 2 steps (given); snapshots at []" in (
         capsys.readouterr().out)
-    assert json.loads((tmp_path / "again" / "float32" / "training.json").read_text())["summary"]["steps"] == 3
+    assert json.loads((tmp_path / "again" / "float32" / "training.json").read_text())["summary"]["steps"] == 2
+    # 2 steps of 4 of the 12 records left reach 8 of them, sorted, and no excluded or held-out one.
+    reached = (tmp_path / "again" / "reached.txt").read_text().splitlines()
+    allowed = {f"pattern:{i}" for i in range(10, 24)} - {"pattern:17", "pattern:20"}
+    assert len(set(reached)) == 8 and set(reached) <= allowed and reached == sorted(reached)
     with pytest.raises(SystemExit):
         trainer.main(["train", str(tmp_path / "none"), *common, "--init-draft", str(start)])
     assert "train needs --seconds (a time budget) or --max-steps" in capsys.readouterr().err
