@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "flashdraft.commands.bench",
     "flashdraft.commands.bench_serve",
     "flashdraft.commands.train",
+    "flashdraft.commands.corpus",
 )
 
 

@@ -5,7 +5,7 @@
 #   bash scripts/continue_draft.sh OUT RECORDS STEPS [LR]
 #   bash scripts/continue_draft.sh /root/fd-runs/v15 3600 1600 6e-4
 #
-# Stages, each resumed when the script runs again: the draw (`scripts/corpus.py train-folder OUT/work --records
+# Stages, each resumed when the script runs again: the draw (`flashdraft corpus train-folder OUT/work --records
 # RECORDS`, leaving out every shipped draft's draw, corpus/TARGET/draws/*.txt; its ids go to OUT/draw.txt, to
 # commit as draws/vNN.txt with the draft), its offline features, the shipped draft's held-out
 # baseline (one step at lr 1e-12), the run (one schedule of STEPS steps, evaluated every STEPS/4), then the means of

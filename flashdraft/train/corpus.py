@@ -12,7 +12,13 @@ the Python package, so that what a session regenerated outlives the machine it r
 
 Only ever appended to: `export_records` adds one shard with the records the corpus lacks; `import_records` writes
 the corpus's records into a work folder, so the next regeneration run counts them as done and no prompt is
-answered twice.
+answered twice. `make_train_folder` writes the corpus (or a seeded draw of it) into a work folder for
+`flashdraft train`. The command line over all this is `flashdraft corpus` (`flashdraft/commands/corpus.py`).
+
+Every target's corpus comes from one regeneration recipe (`regeneration_arguments`): decontaminated prompts of the
+built-in mix (code, math and chat), full-length greedy answers of up to 512 tokens, one thread. Only the number of
+prompts differs, and it grows in steps (`PROMPT_STEPS`), each step in its own work folder, which is first filled with
+the whole corpus so that no prompt is answered twice.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -27,9 +34,17 @@ from pathlib import Path
 import numpy as np
 
 from ..files import write_atomic
+from .prompts import PROMPT_SETTINGS, PROMPTS_FILE
 from .records import META_FILE, ShardWriter, TrainingRecord, read_meta, read_records
 
 MANIFEST = "manifest.json"
+# The prompt set each target's regeneration is at now. The default target's went 10,000 (shards 0-36), then 20,000:
+# every one of the built-in sources' 19,886 distinct prompts. A new target starts with a step that one machine
+# finishes in a few sessions, so its first draft trains on the whole mix rather than on its shortest prompts (the
+# regeneration answers prompts shortest first).
+PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000}
+FIRST_PROMPT_STEP = 2000
+REGENERATION_MAX_NEW_TOKENS = 512
 FORMAT = 1
 MACHINE_SETTINGS = ("model",)  # settings that name a place on one machine: not compared between machines
 
@@ -81,6 +96,50 @@ def response_counts(folder: str | Path, vocab_size: int, *, exclude: Collection[
 
 def corpus_ids(folder: str | Path) -> set[str]:
     return {record.id for record in read_corpus(folder)}
+
+
+def prompt_step(target: str) -> int:
+    """The number of prompts the regeneration of `target`'s corpus is at now."""
+    return PROMPT_STEPS.get(target, FIRST_PROMPT_STEP)
+
+
+def regeneration_arguments(target: str, work: Path, num_prompts: int) -> list[str]:
+    """The `flashdraft train` arguments of one corpus regeneration: its records go to `work`/records-regenerate."""
+    return ["train", "--target", target, "--until", "labels", "--num-prompts", str(num_prompts),
+            "--labels", "regenerate", "--max-new-tokens", str(REGENERATION_MAX_NEW_TOKENS), "--threads", "1",
+            "--work-dir", str(work), "-o", str(work / "out")]
+
+
+def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None, model: str,
+                      skip: int = 0, exclude: Sequence[Path] = ()) -> int:
+    """Write the regeneration's prompt files and the corpus's records (all, or the `count` with the smallest seeded
+    hash of their id after the first `skip` of that order) into `folder`, `model` naming the target's folder on this
+    machine; the records held by the training folders or listed in the id files `exclude` are left out first.
+    Returns how many records it holds."""
+    if skip and count is None:
+        raise ValueError("--skip needs --records: it skips the start of the seeded draw")
+    if not (regeneration / PROMPT_SETTINGS).is_file():
+        raise ValueError(f"{regeneration} has no prompt set yet: run `flashdraft corpus regenerate` first")
+    used: set[str] = set()
+    for old in exclude:
+        if old.is_file():  # a list of record ids, one a line: a shipped draft's draw (corpus/TARGET/draws/)
+            used |= {line.strip() for line in old.read_text().splitlines() if line.strip()}
+            continue
+        if not (old / "records-regenerate" / META_FILE).is_file():
+            raise ValueError(f"--exclude {old}: not a training folder (no records-regenerate/{META_FILE}) nor a "
+                             "file of record ids")
+        used |= {record.id for record in read_records(old / "records-regenerate")}
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (PROMPTS_FILE, PROMPT_SETTINGS):
+        shutil.copy(regeneration / name, folder / name)
+    ids = sorted(corpus_ids(corpus) - used)
+    if count is not None:
+        # The init A/B drew its 1,324 records with this key from the corpus at 11,205 records (BENCHMARKS.md).
+        # Draws of the same order never overlap on the same corpus; a grown corpus slots new records in between,
+        # so a draw after an export overlaps the one before it by a little: --exclude its folder instead of --skip.
+        ids = sorted(ids, key=lambda i: hashlib.sha256(f"ab:{i}".encode()).digest())[skip : skip + count]
+    import_records(corpus, folder / "records-regenerate", model=model, only=set(ids))
+    return len(ids)
 
 
 def _comparable(settings: dict) -> dict:

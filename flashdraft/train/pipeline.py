@@ -39,14 +39,13 @@ from typing import TYPE_CHECKING, Any
 from ..evaluation.datasets import DATASETS
 from ..files import write_atomic
 from ..models import DEFAULT_TARGET
+from .prompts import PROMPT_SETTINGS, PROMPTS_FILE
 from .sources import DEFAULT_PROPORTIONS, SOURCES
 
 if TYPE_CHECKING:
     from .trainer import TrainConfig, TrainSummary
 
 STAGES = ("prompts", "labels", "features", "train")
-PROMPTS_FILE = "prompts.jsonl"
-PROMPT_SETTINGS = "prompts.json"  # a work folder holds the data of one prompt set: the one these settings make
 PROMPTS_LOCK = ".prompts.lock"
 LABEL_KINDS = ("regenerate", "teacher-forced")
 LOSS_WEIGHTINGS = ("decay", "acceptance")

@@ -28,6 +28,8 @@ from ..text import encode_chat
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+PROMPTS_FILE = "prompts.jsonl"  # a work folder's prompt set
+PROMPT_SETTINGS = "prompts.json"  # a work folder holds the data of one prompt set: the one these settings make
 
 
 @dataclass(frozen=True)

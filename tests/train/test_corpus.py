@@ -159,16 +159,11 @@ def test_an_empty_corpus_reads_as_empty(tmp_path):
 
 
 def test_a_training_folder_holds_the_prompt_set_and_the_corpus_or_a_seeded_subset_of_it(tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from flashdraft.train import corpus as script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "corpus.py"
-    spec = importlib.util.spec_from_file_location("corpus_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     corpus, regeneration = tmp_path / "corpus", tmp_path / "regeneration"
     export_records(write_folder(tmp_path / "made", records(12)), corpus, target="t", command="c", target_sha256="0")
-    with pytest.raises(SystemExit, match="no prompt set yet"):
+    with pytest.raises(ValueError, match="no prompt set yet"):
         script.make_train_folder(corpus, regeneration, tmp_path / "all", None, model="/here")
     regeneration.mkdir()
     (regeneration / "prompts.jsonl").write_text("prompts\n")
@@ -186,7 +181,7 @@ def test_a_training_folder_holds_the_prompt_set_and_the_corpus_or_a_seeded_subse
     following = {r.id for r in read_records(tmp_path / "next" / "records-regenerate")}
     ten = {r.id for r in read_records(tmp_path / "ten" / "records-regenerate")}
     assert len(following) == 5 and not following & drawn[0] and following | drawn[0] == ten  # the next 5 in order
-    with pytest.raises(SystemExit, match="--skip needs --records"):
+    with pytest.raises(ValueError, match="--skip needs --records"):
         script.make_train_folder(corpus, regeneration, tmp_path / "bad", None, model="/here", skip=5)
     # --exclude leaves out what earlier folders hold: the same draw as --skip on an unchanged corpus, and after
     # the corpus grows, still none of the old records.
@@ -203,5 +198,23 @@ def test_a_training_folder_holds_the_prompt_set_and_the_corpus_or_a_seeded_subse
     listed.write_text("".join(f"{i}\n" for i in sorted(drawn[0] | following)) + "\n")
     script.make_train_folder(corpus, regeneration, tmp_path / "third-listed", 6, model="/here", exclude=[listed])
     assert {r.id for r in read_records(tmp_path / "third-listed" / "records-regenerate")} == third
-    with pytest.raises(SystemExit, match="--exclude .* not a training folder"):
+    with pytest.raises(ValueError, match="--exclude .* not a training folder"):
         script.make_train_folder(corpus, regeneration, tmp_path / "bad", 5, model="/here", exclude=[tmp_path / "no"])
+
+
+def test_the_corpus_command_reports_the_corpus_and_refuses_unknown_targets(tmp_path, monkeypatch, capsys):
+    from flashdraft.cli import main
+
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path / "home"))
+    export_records(write_folder(tmp_path / "made", records(3)), tmp_path / "c", target="t", command="c",
+                   target_sha256="0")
+    assert main(["corpus", "status", "--corpus", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert f"corpus {tmp_path / 'c'}: 3 records" in out
+    assert "prompts-20000: no regeneration yet" in out and "regeneration: not running" in out
+    assert main(["corpus", "status", "--target", "qwen2.5-coder-0.5b-instruct", "--corpus", str(tmp_path)]) == 0
+    assert "qwen2.5-coder-0.5b-instruct/prompts-2000" in capsys.readouterr().out  # a new target's first step
+    assert main(["corpus", "status", "--target", "nosuch"]) == 2
+    assert "unknown target 'nosuch'" in capsys.readouterr().err
+    assert main(["corpus", "pause", "--corpus", str(tmp_path / "c")]) == 1
+    assert "no regeneration runs in" in capsys.readouterr().err
