@@ -424,8 +424,8 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
     def _check_request(body: SamplingRequest) -> None:
         unsupported = body.unsupported_field()
         if unsupported is not None:
-            param, message = unsupported
-            raise APIError(400, message, param=param, code="unsupported_parameter")
+            param, message, code = unsupported
+            raise APIError(400, message, param=param, code=code)
         if body.model is not None and body.model != engine.name:
             raise APIError(
                 404, f"model {body.model!r} is not served here: this server serves {engine.name!r} (see /v1/models)",

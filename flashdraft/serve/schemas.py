@@ -3,7 +3,8 @@
 Requests are validated strictly (a string is not a number, a float is not an integer), so a wrongly typed field
 is an error rather than a guess. Fields of the OpenAI API that flashdraft does not implement are accepted only at
 their neutral value (see `UNSUPPORTED_FIELDS`), so a request that relies on one fails loudly instead of being
-answered as if it had been honoured.
+answered as if it had been honoured; fields that change no answer are accepted (`IGNORED_FIELDS`); any other field
+is refused by name, as OpenAI refuses one ("tempera2ure" must not be sampled at the default temperature).
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
+    # vLLM's sampling extensions, which some OpenAI clients send at their neutral values
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
 }
+# OpenAI request fields that change nothing in an answer of this server: accepted and ignored.
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "modalities", "prompt_cache_key",
+    "safety_identifier", "stream_options", "reasoning_effort", "verbosity",
+})
 
 
 class StrictModel(BaseModel):
@@ -67,16 +78,22 @@ class SamplingRequest(StrictModel):
         check_seed(seed)  # here, not in the worker: a 400 naming the range rather than a failed generation
         return seed
 
-    def unsupported_field(self) -> tuple[str, str] | None:
-        """(field, message) for the first field this server cannot honour, or None."""
+    def unsupported_field(self) -> tuple[str, str, str] | None:
+        """(field, message, error code) for the first field this server cannot honour or does not know, or None."""
         if self.n is not None and self.n > 1:
             return "n", (
                 f"n={self.n} is not supported: flashdraft serve returns one choice per request; "
                 "send n separate requests (with different seeds) instead"
-            )
+            ), "unsupported_parameter"
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
-                return name, f"`{name}` is not supported by flashdraft serve: leave it out of the request"
+            if name in UNSUPPORTED_FIELDS:
+                if value not in UNSUPPORTED_FIELDS[name]:
+                    message = f"`{name}` is not supported by flashdraft serve: leave it out of the request"
+                    return name, message, "unsupported_parameter"
+            elif name not in IGNORED_FIELDS:
+                known = ", ".join(sorted(type(self).model_fields))
+                return name, (f"unrecognized request argument `{name}`: check its spelling; this endpoint takes "
+                              f"{known}"), "unknown_parameter"
         return None
 
     @property

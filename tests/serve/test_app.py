@@ -232,14 +232,22 @@ def test_a_tiny_temperature_answers_the_argmax_as_greedy(address, temperature):
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == greedy
 
 
+@pytest.mark.parametrize("path, fields", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_a_misspelled_field_is_400_naming_it_not_sampled_at_the_default(address, path, fields):
+    status, answer = post(address, path, {**fields, "tempera2ure": 0})
+    assert status == 400
+    assert_error(answer, "unknown_parameter")
+    assert answer["error"]["param"] == "tempera2ure" and "`tempera2ure`" in answer["error"]["message"]
+
+
 # ------------------------------------------------------------------------------------------- big bodies
 
 JSON = {"Content-Type": "application/json"}
 
 
 def big_body(size: int) -> bytes:
-    """A valid completion request of about `size` bytes, padded with an unknown field (which is ignored)."""
-    return json.dumps({**COMPLETION, "padding": "w" * size}).encode()
+    """A valid completion request of about `size` bytes, padded with a field the server ignores (`user`)."""
+    return json.dumps({**COMPLETION, "user": "w" * size}).encode()
 
 
 def test_a_body_above_the_limit_is_413_in_openai_schema(address):

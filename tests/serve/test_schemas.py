@@ -44,11 +44,26 @@ def test_types_are_strict(fields):
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"repetition_penalty": 1.0, "metadata": {"a": "b"}, "store": False}, None),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ],
 )
 def test_unsupported_fields_only_at_a_non_neutral_value(fields, unsupported):
     problem = ChatCompletionRequest(messages=MESSAGES, **fields).unsupported_field()
     assert (problem[0] if problem else None) == unsupported
+    assert problem is None or problem[2] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("request_type, fields", [
+    (ChatCompletionRequest, {"messages": MESSAGES, "tempera2ure": 0}),
+    (ChatCompletionRequest, {"messages": MESSAGES, "prompt": "w1"}),  # a field of the other endpoint
+    (CompletionRequest, {"prompt": "w1", "max_completion_tokens": 3}),
+])
+def test_an_unknown_field_is_refused_by_name(request_type, fields):
+    unknown = next(name for name in fields if name not in request_type.model_fields)
+    name, message, code = request_type(**fields).unsupported_field()
+    assert (name, code) == (unknown, "unknown_parameter")
+    assert f"`{unknown}`" in message and "temperature" in message  # the fields it takes, to spot a misspelling
 
 
 def test_union_errors_name_the_field_where_the_alternatives_part():
