@@ -18,13 +18,10 @@ from transformers import PreTrainedModel
 from .adaptive import BlockSizeController, cached_costs
 from .draft import DFlashDraftModel
 from .proposals import LOOKUP_BLOCK_SIZE, PROPOSAL_MODES, DFlashProposer, HybridProposer, Proposer
+from .rules import check_block_size as check_integer_block_size
+from .rules import tau
 from .sampling import SamplingParams, accept_greedy, accept_sampled, check_seed, greedy, probabilities, sample
 from .target import TargetModel
-
-
-def tau(acceptance_lengths: Sequence[int]) -> float:
-    """Mean acceptance length (tokens per target verification); 0.0 when there were no rounds."""
-    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else 0.0
 
 
 def acceptance_histogram(acceptance_lengths: Iterable[int]) -> dict[int, int]:
@@ -209,8 +206,7 @@ def check_block_size(block_size: int | str | None, *, has_draft: bool) -> None:
     with something to propose (a draft, or the lookup)."""
     if block_size in ("auto", None):
         return
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1 or \"auto\", got {block_size!r}")
+    check_integer_block_size(block_size, hint=' (or "auto", or None: the draft\'s own)')
     if block_size > 1 and not has_draft:
         raise ValueError(
             f"block_size {block_size} needs proposals: pass a draft, or proposals='lookup', or use block_size=1"

@@ -31,6 +31,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from .files import check_finite
+from .rules import check_block_size
+
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 # The largest block a draft may declare: one round drafts and verifies this many tokens, so a config with a block
 # of 100,000 would allocate and compute for minutes before its first token.
@@ -438,8 +441,6 @@ class DFlashDraftModel(PreTrainedModel):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         # Non-persistent buffers are not loaded, and transformers builds them on an empty device: refill.
         model.set_draft_vocab(model.config.dflash_config.get("draft_vocab_ids"))
-        from .models import check_finite  # a function of model loading; models.py imports this module lazily
-
         check_finite(model, f"draft {pretrained_model_name_or_path}", "restore the draft folder or train it again")
         return model
 
@@ -468,11 +469,8 @@ def validate_draft_config(config: PretrainedConfig) -> None:
     for key in ("block_size", "num_target_layers"):
         if not isinstance(getattr(config, key, None), int):
             raise ValueError(f"not a DFlash draft config: missing integer field `{key}`")
-    if not 1 <= config.block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(
-            f"draft block_size must be in 1..{MAX_BLOCK_SIZE}, got {config.block_size}: every round drafts and "
-            "verifies that many tokens (published drafts use 8 or 16)"
-        )
+    check_block_size(config.block_size, maximum=MAX_BLOCK_SIZE, what="draft block_size",
+                     hint=": every round drafts and verifies that many tokens (published drafts use 8 or 16)")
     if not dflash["target_layer_ids"]:
         raise ValueError("draft dflash_config.target_layer_ids is empty: the draft must read at least one target layer")
 

@@ -42,7 +42,14 @@ from torch import nn
 
 from . import native
 from .draft import DraftCache
-from .files import BUSY_CORES, WAITING_VARIABLES, cached_measurement, other_processes_cpu, save_measurement
+from .files import (
+    BUSY_CORES,
+    WAITING_VARIABLES,
+    cache_home,
+    cached_measurement,
+    other_processes_cpu,
+    save_measurement,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # tables that depend on the position alone
@@ -960,8 +967,6 @@ def interleaved_seconds(works: dict, repeats: int, summary: Callable[[list[float
 
 def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
     """`measure_kernels`, once per model shape, thread count and library versions, then read from disk."""
-    from .models import cache_home
-
     identity = json.dumps(
         {
             "model": engine.config.to_json_string(use_diff=False),

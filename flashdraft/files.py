@@ -1,5 +1,7 @@
-"""The files flashdraft keeps (caches, manifests, markers, checkpoints): written so that no reader ever sees half of
-one, and checksummed."""
+"""The files flashdraft keeps (caches, manifests, markers, checkpoints): where they live (`cache_home`), written so
+that no reader ever sees half of one, checksummed, and weights checked for NaN (`check_finite`).
+
+The bottom layer of the package: it imports no other flashdraft module, so that every other one can use it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,23 @@ import json
 import os
 import time
 from pathlib import Path
+
+import platformdirs
+
+
+def cache_home() -> Path:
+    """Where flashdraft caches prepared models and machine measurements: $FLASHDRAFT_HOME, else the user's cache
+    folder."""
+    return Path(os.environ.get("FLASHDRAFT_HOME") or platformdirs.user_cache_dir("flashdraft")).expanduser()
+
+
+def check_finite(model, where: str, remedy: str) -> None:
+    """Refuse weights holding NaN or infinity: such a model decodes garbage without any error of its own."""
+    import torch
+
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{where}: weight {name} holds NaN or infinite values: {remedy}")
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import platformdirs
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
-from .files import file_sha256, write_atomic
+from .files import cache_home, check_finite, file_sha256, write_atomic  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -185,11 +184,6 @@ def _did_you_mean(name: str) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def cache_home() -> Path:
-    """Where flashdraft caches prepared models: $FLASHDRAFT_HOME, else the user's cache folder."""
-    return Path(os.environ.get("FLASHDRAFT_HOME") or platformdirs.user_cache_dir("flashdraft")).expanduser()
-
-
 def prepared_folder(name: str) -> Path | None:
     """The converted folder of registry model `name` when it is prepared, else None."""
     folder = cache_home() / "models" / name
@@ -246,15 +240,6 @@ def verify_prepared(folder: Path, name: str) -> None:
         verified[file_name], changed = stamp, True
     if changed:
         write_atomic(cache_path, json.dumps(verified) + "\n")
-
-
-def check_finite(model, where: str, remedy: str) -> None:
-    """Refuse weights holding NaN or infinity: such a model decodes garbage without any error of its own."""
-    import torch
-
-    for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"{where}: weight {name} holds NaN or infinite values: {remedy}")
 
 
 

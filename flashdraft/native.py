@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .files import cache_home
+
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 OPENMP_FLAG = "-fopenmp"  # tried first, for `small_gemm_parallel`; without it that is the serial kernel
@@ -60,8 +62,6 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(), _cpu_description()])
         .encode()
     ).hexdigest()[:20]
-    from .models import cache_home
-
     library = cache_home() / "native" / f"small_gemm-{identity}.so"
     if not library.is_file():
         library.parent.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def work_folder(args: argparse.Namespace) -> Path:
-    from flashdraft.models import cache_home
+    from flashdraft.files import cache_home
 
     return (args.work_dir or cache_home() / "corpus" / args.target / f"prompts-{num_prompts(args)}").expanduser()
 

@@ -11,6 +11,7 @@ from flashdraft.commands.options import (
     add_proposals_option,
     device_and_dtype,
 )
+from flashdraft.rules import tau
 
 
 def register(subparsers) -> None:
@@ -88,7 +89,7 @@ def statistics_line(result, speculating: bool) -> str:
     if not speculating:
         acceptance = "no speculation (block size 1)"
     elif rounds and len(drafted) < rounds / 2:
-        drafted_tau = f"tau {sum(drafted) / len(drafted):.2f} in the {len(drafted)}" if drafted else "no"
+        drafted_tau = f"tau {tau(drafted):.2f} in the {len(drafted)}" if drafted else "no"
         acceptance = (f"speculation off in {rounds - len(drafted)} of {rounds} rounds, where no proposal was "
                       f"expected to pay on this machine ({drafted_tau} rounds that speculated)")
     else:

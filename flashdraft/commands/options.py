@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from flashdraft.rules import parse_block_size, resolve_dtype
+
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("auto", "flashdraft", "transformers")  # flashdraft.target.ENGINES, without loading torch for --help
 
@@ -28,15 +30,10 @@ def add_device_options(parser, engine: bool = True) -> None:
 
 def block_size(text: str) -> int | str:
     """`--block-size`: "auto" (chosen round by round) or an integer >= 1 (1 = no speculation)."""
-    if text == "auto":
-        return text
     try:
-        value = int(text)
+        return parse_block_size(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer >= 1 (1 = no speculation) nor auto")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer >= 1 (1 = no speculation) nor auto") from None
 
 
 def add_block_size_option(parser) -> None:
@@ -61,6 +58,4 @@ def device_and_dtype(args: argparse.Namespace):
     import torch
 
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-    if args.dtype != "auto":
-        return device, getattr(torch, args.dtype)
-    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, resolve_dtype(args.dtype, device.type)

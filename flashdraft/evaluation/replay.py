@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding import acceptance_histogram, tau
-from ..files import write_atomic
-from ..models import cache_home
+from ..files import cache_home, write_atomic
 from ..proposals import GREEDY, Proposer
+from ..rules import check_block_size
 from ..sampling import matching_prefix
 from ..target import TargetModel
 
@@ -60,8 +60,7 @@ def replay(proposer: Proposer, text: ReplayText, block_size: int, draft_size: in
     block the draft runs (anchor and masks), by default the larger of `block_size` and the draft's own, as the
     loop runs it; a smaller one (at least `block_size`) measures what drafting fewer positions costs in accepted
     tokens."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    check_block_size(block_size)
     if draft_size is None:
         draft_size = max(block_size, proposer.block_size or 0)
     elif draft_size < block_size:

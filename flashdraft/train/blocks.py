@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rules import check_block_size
 from .records import TrainingRecord
 
 IGNORE = -100  # label of a block position with nothing to learn (before the response, after the sequence end)
@@ -83,8 +84,7 @@ class TrainingSequence:
 
 def check_training_block_size(block_size: int) -> None:
     """A block trains positions 1..B-1 after its anchor: B must leave at least one."""
-    if block_size < 2:
-        raise ValueError(f"training needs a block size of at least 2 (one position to learn), got {block_size}")
+    check_block_size(block_size, minimum=2, what="a training block size", hint=" (one position to learn)")
 
 
 def sample_anchors(sequence: TrainingSequence, num_anchors: int, seed: int, epoch: int) -> list[int]:

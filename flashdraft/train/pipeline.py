@@ -668,6 +668,7 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
 
     from ..draft import DFlashDraftModel
     from ..models import load_target
+    from ..rules import resolve_dtype
     from ..text import stop_token_ids
     from .corpus import response_counts
     from .distributed import barrier
@@ -676,8 +677,8 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     from .prompts import read_prompt_file
     from .trainer import Trainer, init_from_target, save_trained_draft, seed_everything, start_from_draft
 
-    dtype = config.dtype if config.dtype != "auto" else "bfloat16" if dist.device.type == "cuda" else "float32"
-    model, tokenizer = load_target(config.target, device=dist.device, dtype=getattr(torch, dtype))
+    dtype = resolve_dtype(config.dtype, dist.device.type)
+    model, tokenizer = load_target(config.target, device=dist.device, dtype=dtype)
     text_config = model.config.get_text_config()
     layer_ids = _resolve_feature_layers(config.feature_layers, text_config.num_hidden_layers)
     mask_token_id = _mask_token_id(config, tokenizer, model.get_input_embeddings().weight.shape[0])

@@ -42,6 +42,7 @@ from ..draft import DFlashDraftModel
 from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
 from ..files import file_sha256, write_atomic
 from ..proposals import DFlashProposer, check_compatible
+from ..rules import tau
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, check_training_block_size, make_blocks, sample_anchors
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
@@ -610,7 +611,7 @@ class Trainer:
             for text in texts:
                 with self._autocast():
                     rounds += replay(proposer, text, self.draft.block_size)
-            result["tau"][name] = sum(rounds) / len(rounds) if rounds else 0.0
+            result["tau"][name] = tau(rounds)
         if self.heldout:
             loss = weight = 0.0
             positions = self.draft.block_size - 1
