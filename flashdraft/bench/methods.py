@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import flashdraft
 from flashdraft.bench import DRAFT_METHODS, METHOD_NAMES
 from flashdraft.draft import DFlashDraftModel
+from flashdraft.rules import check_block_size
 from flashdraft.target import TargetModel
 
 PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per lookup: transformers' documented example value
@@ -222,35 +224,49 @@ def build_methods(
                 "the assistant's tokenizer differs from the target's: assisted generation here needs the same "
                 "vocabulary (pick an assistant from the target's model family)"
             )
-    methods: list[Method] = [TransformersGenerate("ar", target)]
-    for name in dict.fromkeys(names):
-        if name == "flashdraft":
-            for block_size in dict.fromkeys(block_sizes or [draft.block_size]):
-                if block_size != "auto" and block_size < 2:
-                    raise ValueError(f"block sizes must be at least 2 (1 is plain decoding, `ar`), got {block_size}")
-                methods.append(FlashDraft(target, draft, block_size))
-        elif name == "flashdraft-hybrid":
-            methods.append(FlashDraft(target, draft, "auto", "hybrid"))
-        elif name == "flashdraft-plain":
-            methods.append(FlashDraft(target, None, 1, None))
-        elif name == "flashdraft-lookup":
-            methods.append(FlashDraft(target, None, "auto", "lookup"))
-        elif name == "prompt-lookup":
-            methods.append(TransformersGenerate(name, target, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
-        elif name == "assisted":
-            methods.append(TransformersGenerate(name, target, assistant_model=assistant))
-        elif name == "reference":
-            methods.append(Reference(target, draft))
-        elif name == "transformers-dflash":
-            methods.append(
-                TransformersGenerate(
-                    f"transformers-dflash-b{draft.block_size}",
-                    target,
-                    assistant_model=TransformersDFlashAssistant(draft),
-                    speculation_type="dflash",
-                )
-            )
+    inputs = MethodInputs(target, draft, block_sizes, assistant)
+    return [method for name in dict.fromkeys(["ar", *names]) for method in BUILDERS[name](inputs)]
+
+
+@dataclass
+class MethodInputs:
+    """What a method's builder may use: the models and the block sizes asked for."""
+
+    target: PreTrainedModel
+    draft: DFlashDraftModel | None
+    block_sizes: list[int | str] | None
+    assistant: PreTrainedModel | None
+
+
+def _draft_alone(given: MethodInputs) -> list[Method]:
+    methods = []
+    for block_size in dict.fromkeys(given.block_sizes or [given.draft.block_size]):
+        if block_size != "auto":
+            check_block_size(block_size, minimum=2, what="a flashdraft method's block size",
+                             hint=" (1 is plain decoding, `ar`)")
+        methods.append(FlashDraft(given.target, given.draft, block_size))
     return methods
+
+
+def _transformers_dflash(given: MethodInputs) -> list[Method]:
+    return [TransformersGenerate(f"transformers-dflash-b{given.draft.block_size}", given.target,
+                                 assistant_model=TransformersDFlashAssistant(given.draft), speculation_type="dflash")]
+
+
+# Method name -> the methods it adds (several for `flashdraft`: one per block size). Adding a method is adding a row
+# here and its name to flashdraft.bench.METHOD_NAMES (which the command line lists without importing torch).
+BUILDERS: dict[str, Callable[[MethodInputs], list[Method]]] = {
+    "ar": lambda given: [TransformersGenerate("ar", given.target)],
+    "flashdraft": _draft_alone,
+    "flashdraft-hybrid": lambda given: [FlashDraft(given.target, given.draft, "auto", "hybrid")],
+    "flashdraft-plain": lambda given: [FlashDraft(given.target, None, 1, None)],
+    "flashdraft-lookup": lambda given: [FlashDraft(given.target, None, "auto", "lookup")],
+    "prompt-lookup": lambda given: [TransformersGenerate("prompt-lookup", given.target,
+                                                         prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)],
+    "assisted": lambda given: [TransformersGenerate("assisted", given.target, assistant_model=given.assistant)],
+    "reference": lambda given: [Reference(given.target, given.draft)],
+    "transformers-dflash": _transformers_dflash,
+}
 
 
 def reference_available() -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 # torch and the modules that import it (the benchmark's own, the decoding loop) load inside `run`, and
 # `flashdraft --help` does not wait for them.
 from flashdraft.bench import DRAFT_METHODS, METHOD_NAMES
-from flashdraft.commands.options import add_device_options, device_and_dtype
+from flashdraft.commands.options import add_device_options, block_size, device_and_dtype
 from flashdraft.evaluation.datasets import DATASETS, get_dataset
 from flashdraft.models import DEFAULT_TARGET
 
@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"methods among {', '.join(METHOD_NAMES)}; `ar` always runs as the baseline (default: ar, flashdraft, "
         "flashdraft-hybrid, prompt-lookup, transformers-dflash, plus reference when dflash is installed and assisted "
         "with --assistant)")
-    add("--block-sizes", nargs="+", type=_block_size, default=None, metavar="B",
+    add("--block-sizes", nargs="+", type=block_size, default=None, metavar="B",
         help="block sizes for flashdraft, each run as its own method: integers >= 2, or `auto` for the size "
         "chosen round by round, the default of `flashdraft generate` and `serve` (default: the draft's and auto; "
         "under --replay the draft's)")
@@ -191,12 +191,3 @@ def run_replay(args: argparse.Namespace) -> int:
     for kind, path in paths.items():  # as the timed run lists its outputs
         print(f"{kind}: {path}")
     return 0
-
-
-def _block_size(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a block size is an integer or 'auto', got {text!r}") from None

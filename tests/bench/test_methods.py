@@ -6,8 +6,9 @@ import sys
 import pytest
 import torch
 
+from flashdraft.bench import METHOD_NAMES
 from flashdraft.bench import methods as methods_module
-from flashdraft.bench.methods import DecodeSettings, build_methods, reference_available
+from flashdraft.bench.methods import BUILDERS, DecodeSettings, build_methods, reference_available
 from flashdraft.text import stop_token_ids
 
 from tiny import greedy_reference, tiny_draft, tiny_target, tiny_tokenizer
@@ -79,7 +80,7 @@ def test_unusable_method_requests_are_refused(models):
     other = tiny_tokenizer(vocab_size=64)
     with pytest.raises(ValueError, match="tokenizer differs"):
         build_methods(["assisted"], target=target, tokenizer=tokenizer, assistant=assistant, assistant_tokenizer=other)
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(ValueError, match="block size must be an integer >= 2"):
         build_methods(["flashdraft"], target=target, tokenizer=tokenizer, draft=draft, block_sizes=[1])
 
 
@@ -108,3 +109,8 @@ def test_transformers_dflash_adapter_exposes_the_fields_transformers_reads(model
     assert (assistant.config.target_layer_ids, assistant.config.block_size, assistant.config.mask_token_id) == (
         draft.target_layer_ids, 4, MASK)
     assert not hasattr(draft.config, "mask_token_id")  # the draft's own config is left as it was
+
+
+def test_the_registry_builds_every_method_the_command_line_lists():
+    """One row per method: the names the command line offers (listed without torch) are the registry's."""
+    assert list(BUILDERS) == list(METHOD_NAMES)
