@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "flashdraft.commands.bench_serve",
     "flashdraft.commands.train",
     "flashdraft.commands.corpus",
+    "flashdraft.commands.draft",
 )
 
 

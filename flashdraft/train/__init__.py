@@ -8,6 +8,15 @@ Data stages, each cached on disk and resumable:
     regenerate.py     the target answers the prompts (batched greedy or sampled generation)
     labels.py         the target labels existing responses under teacher forcing (one forward, optional top-k)
     records.py        the on-disk training records both write and the trainer reads
+    corpus.py         the committed corpus of the target's own answers (shards, manifest, draws)
+
+Training:
+    blocks.py         anchors and the block attention mask          loss.py      the weighted block loss
+    features.py       target features, stored offline or online     config.py    TrainConfig, PipelineConfig
+    trainer.py        the optimisation loop, resume, evaluation     checkpoints.py  checkpoint files
+    drafts.py         the draft a run starts from and writes        pipeline.py  prompts -> labels -> features
+                                                                                   -> train, cached and resumable
+    averaging.py      weight averaging of drafts                    distributed.py  torchrun / accelerate
 """
 
 from ..lazy import lazy_exports
@@ -22,7 +31,8 @@ _EXPORTS = {
     "load_eval_sets": "decontaminate",
     "remove_overlaps": "decontaminate",
     "label_responses": "labels",
-    "PipelineConfig": "pipeline",
+    "PipelineConfig": "config",
+    "TrainConfig": "config",
     "run_pipeline": "pipeline",
     "Prompt": "prompts",
     "PromptFile": "prompts",
@@ -53,6 +63,7 @@ __all__ = [
     "PromptFile",
     "RunStats",
     "SOURCES",
+    "TrainConfig",
     "TrainingRecord",
     "check_decontaminated",
     "find_overlaps",

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..draft import DFlashDraftModel
-from .trainer import DamagedCheckpoint, read_checkpoint
+from .checkpoints import DamagedCheckpoint, read_checkpoint
 
 
 def draft_weights(source: str | Path) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..target import TargetModel
-from .pipeline import PipelineConfig
+from .config import PipelineConfig
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
 from .regenerate import BYTES_PER_TOKEN, BYTES_PER_TOPK_ENTRY, required_stop_token_ids, top_k_of

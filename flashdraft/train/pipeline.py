@@ -12,13 +12,8 @@ Every stage caches its output in the work folder and continues where it stopped 
 settings; a finished stage is skipped. Under torchrun / accelerate launch only the train stage runs (every process
 trains on its share of each batch); run the data stages first in one process (`until="features"`).
 
-`PipelineConfig` is the one place the training settings and their defaults live: `flashdraft train` makes one
-option per field (flag, default and help read from the field), `TrainConfig` and the data stages take their
-defaults from it, and `exact_command` writes a config as the command line that reproduces it. Errors name a
-setting by its option (`--store-top-k` is the field `store_top_k`), since most runs start from the command line.
-
-This module loads nothing heavy at import (the command line reads the fields to build its parser); the stages
-import torch and the models when they run.
+The settings and their defaults live in `config.py` (`PipelineConfig`, re-exported here). This module loads
+nothing heavy at import; the stages import torch and the models when they run.
 """
 
 from __future__ import annotations
@@ -26,330 +21,25 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..evaluation.datasets import DATASETS
-from ..files import write_atomic
-from ..models import DEFAULT_TARGET
+from ..files import cache_home, write_atomic
+from .config import HELDOUT_SET, PipelineConfig, exact_command
 from .prompts import PROMPT_SETTINGS, PROMPTS_FILE
-from .sources import DEFAULT_PROPORTIONS, SOURCES
 
 if TYPE_CHECKING:
-    from .trainer import TrainConfig, TrainSummary
+    from .drafts import TrainSummary
 
-STAGES = ("prompts", "labels", "features", "train")
+__all__ = ["PipelineConfig", "run_pipeline"]
+
 PROMPTS_LOCK = ".prompts.lock"
-LABEL_KINDS = ("regenerate", "teacher-forced")
-LOSS_WEIGHTINGS = ("decay", "acceptance")
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
-HELDOUT_SET = "heldout"
 DRAFT_VOCAB_FILE = "draft_vocab_ids.json"  # in the run folder: the vocabulary a --draft-vocab-corpus run chose
-
-
-def setting(default: Any = MISSING, help: str = "", *, shown: str | None = None, **cli) -> Any:
-    """A field of `PipelineConfig` with what its command-line option needs: `help` says what it does and the
-    option's help appends the default (or `shown`, where the value alone does not say it; "{}" stands for the
-    value); `cli` may give `type` (of the option's text, when the default's type is not it), `choices`, `short`
-    (e.g. -o), `repeat` (the option may be given several times) and `metavar`."""
-    metadata = {"help": help, "shown": shown, **cli}
-    if isinstance(default, dict | list):  # mutable: every config gets its own copy
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-@dataclass(kw_only=True)
-class PipelineConfig:
-    """Every setting of a training run, with its default: `flashdraft train`'s options are these fields (a field
-    `store_top_k` is the option `--store-top-k`). Text values are accepted where the command line gives text
-    (e.g. `feature_layers="1,8,14"`, `proportions="math=1"`); the config holds them parsed."""
-
-    # target and draft
-    target: str = setting(DEFAULT_TARGET, "registry name, folder or hub id of the target")
-    output: Path = setting(help="folder to write the trained draft and its model card into", type=Path, short="-o")
-    work_dir: Path | None = setting(
-        None, "folder for the cached stages and checkpoints; keep it outside the repository",
-        shown="$FLASHDRAFT_HOME/train/TARGET", type=Path)
-    run_name: str = setting(
-        "default", "name of the training run inside the work folder; a run resumes from its last checkpoint, so "
-        "give a new name to train with other settings")
-    draft_layers: int = setting(2, "decoder layers of the draft")
-    block_size: int = setting(16, "tokens per block, anchor included; train at the block size you decode with")
-    feature_layers: int | tuple[int, ...] = setting(
-        5, "target layers the draft reads: a comma list (e.g. 1,8,14,20,27) or a count spread evenly from layer 1 "
-        "to the fourth-last", type=str)
-    mask_token_id: int | None = setting(
-        None, "token id of the block's mask positions: a special token that never occurs in text",
-        shown="the registry's choice for registry targets, else the tokenizer's mask token", type=int)
-    draft_vocab_size: int = setting(
-        8192, "draft over the N tokens most frequent in the target's outputs (the loss and the drafting head use "
-        "only those rows; the ids are saved with the draft); 0 = the full vocabulary",
-        shown="{}, or the full vocabulary when it is not larger than twice that")
-    draft_vocab_corpus: Path | None = setting(
-        None, "choose the drafting vocabulary from the answers of this corpus folder (e.g. corpus/TARGET of the "
-        "repository), less this run's held-out records, instead of from this run's training labels: a larger sample "
-        "when the run trains on a draw of the corpus", type=Path)
-    # Off since an A/B at equal steps from scratch (BENCHMARKS.md, "The recipe A/B on the draft's initialisation"):
-    # random layers reached held-out tau 1.30 after 300 steps, layers copied from the target 1.21.
-    init_from_target: bool = setting(
-        False, "start the draft's layers from the target's last layers where shapes match (off: random layers, "
-        "which trained faster in an A/B)")
-    init_draft: Path | None = setting(
-        None, "start from the weights of this draft folder instead (e.g. to continue on more data under a new "
-        "--run-name); its layers, feature layers and mask token must match the options (the block size may differ: "
-        "no weight depends on it)", type=Path)
-    device: str = setting(
-        "auto", "torch device", shown="auto = this process's GPU (cuda:LOCAL_RANK) when there is one, else the CPU",
-        type=str)
-    dtype: str = setting(
-        "auto", "target weights' dtype; the draft trains in float32 under autocast when this is lower",
-        shown="auto = bfloat16 on a GPU, float32 on a CPU", choices=("auto", "float32", "bfloat16", "float16"))
-    compute_dtype: str = setting(
-        "auto", "precision of the draft's training passes (autocast: its weights, the optimizer and the evaluation's "
-        "decoding stay in float32); bfloat16 trains ~1.6x faster on a CPU with native bfloat16 instructions "
-        "(avx512_bf16 or AMX) at the same loss, and is slower where they are emulated",
-        shown="auto = the target weights' dtype", choices=COMPUTE_DTYPES)
-    threads: int | None = setting(
-        None, "torch CPU threads; on a CPU shared with other jobs use 1, or set OMP_WAIT_POLICY=PASSIVE in the "
-        "environment: spinning threads can make training several times slower",
-        shown="torch's choice, one per core", type=int)
-    until: str = setting("train", "stop after this stage", shown="{}, the whole pipeline", choices=STAGES)
-
-    # prompts
-    prompts: tuple[Path, ...] = setting(
-        (), "JSONL prompt file, one {\"messages\": [...]} or {\"prompt\": \"...\"} per line, optionally with a "
-        "\"response\"; repeatable. A file that overlaps an evaluation set is refused",
-        shown="", type=Path, repeat=True, metavar="FILE")
-    sources: tuple[str, ...] | None = setting(
-        None, f"built-in prompt sources to mix, comma separated, among {', '.join(SOURCES)}, or 'none'",
-        shown="all of them without --prompts, none with it", type=str)
-    proportions: dict[str, float] = setting(
-        DEFAULT_PROPORTIONS, "mix of the built-in sources as name=weight pairs", type=str)
-    num_prompts: int = setting(1000, "prompts drawn from the built-in sources")
-    max_prompt_chars: int = setting(
-        3000, "cut longer prompt messages (and responses) to this many characters rather than dropping them")
-    skip_eval_check: bool = setting(
-        False, "do not check prompts against the evaluation sets (for machines without the evaluation packages; "
-        "the benchmark figures of such a draft may be contaminated)", shown="")
-
-    # target-written data
-    labels: str = setting(
-        "regenerate", "regenerate: the target answers every prompt (the published recipe); teacher-forced: the "
-        "target's greedy prediction at each position of the prompts' existing responses, at the cost of one forward "
-        "(several times faster; prompts without a response are skipped); both", choices=(*LABEL_KINDS, "both"))
-    max_new_tokens: int = setting(256, "longest regenerated or labelled response, in tokens")
-    temperature: float = setting(0.0, "regeneration temperature; 0 = greedy")
-    store_top_k: int = setting(
-        0, "store the target's K most probable tokens and their probabilities at every response position, for "
-        "--distill-weight; 0 = none")
-    label_minutes: float | None = setting(
-        None, "spend at most this many minutes writing labels in this run, then train on the records written so far "
-        "(a later run continues the labelling; 0 = train on what exists)", shown="no limit", type=float)
-    data_batch_size: int = setting(8, "prompts per target batch in regeneration, labelling and feature extraction")
-
-    # features
-    features: str = setting(
-        "offline", "offline: run the target once over the data and store the features on disk for every epoch; "
-        "online: run it in every training step (no disk, for a single epoch or a fast GPU)",
-        choices=("offline", "online"))
-    feature_dtype: str = setting(
-        "float16", "storage dtype of offline features", shown="{}, 2 bytes per value",
-        choices=("float16", "bfloat16", "float32"))
-    max_length: int = setting(2048, "truncate training sequences to this many tokens")
-
-    # training
-    epochs: int = setting(3, "passes over the training sequences")
-    max_steps: int | None = setting(None, "optimizer steps, overriding --epochs", type=int)
-    num_anchors: int = setting(64, "random blocks per sequence, redrawn every epoch")
-    gamma: float | None = setting(
-        None, "loss weight decay over block positions, exp(-(k-1)/gamma)", shown="7 at block 16, 4 at block 8",
-        type=float)
-    loss_weights: str = setting(
-        "decay", "how the loss weighs block positions: decay = exp(-(k-1)/gamma); acceptance = by what each position "
-        "adds to the expected accepted length under the draft's running per-position accuracy (later positions "
-        "count as far as the earlier ones are accepted; floored at 0.05)", choices=LOSS_WEIGHTINGS)
-    lr: float = setting(6e-4, "peak AdamW learning rate")
-    warmup_ratio: float = setting(0.04, "share of the steps with a linear warmup")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    batch_size: int = setting(1, "sequences per micro-batch in each process")
-    grad_accum: int = setting(4, "micro-batches per optimizer step")
-    max_grad_norm: float = setting(1.0, "gradient clipping norm")
-    distill_weight: float = setting(
-        0.0, "0: hard labels; 1: cross-entropy to the target's stored top-k probabilities (needs --store-top-k); "
-        "between: a mix")
-    loss_chunk: int = setting(1024, "block positions per pass through the output head; bounds the logits' memory")
-    checkpoint_every: int = setting(200, "steps between checkpoints")
-    keep_checkpoints: int = setting(2, "newest checkpoints kept")
-    eval_every: int = setting(
-        500, "steps between evaluations of tau (greedy decoding replayed on the target's answers); 0 = at the end "
-        "only")
-    eval_sets: tuple[str, ...] = setting(
-        (HELDOUT_SET,), f"prompt sets to measure tau on, comma separated: {HELDOUT_SET} (prompts of held-out "
-        f"records), built-in {', '.join(DATASETS)} (their last prompts, apart from the usual benchmark samples), or "
-        ".jsonl files; the draft with the best mean tau is kept", type=str)
-    eval_prompts: int = setting(16, "prompts per evaluation set")
-    eval_max_new_tokens: int = setting(128, "length of the target's answer to each evaluation prompt, written once")
-    heldout: int = setting(
-        16, "records kept out of training for held-out loss, accuracy and the heldout prompt set")
-    seed: int = setting(0, "seed of the prompt mix, the held-out split and (without --train-seed) the training")
-    train_seed: int | None = setting(
-        None, "seed of the training alone: the draft's initialisation, anchors and data order; the prompt mix and "
-        "the held-out split keep --seed, so a replicate trains in the same work folder on the same data",
-        shown="--seed", type=int)
-
-    def __post_init__(self):
-        # The command line's text forms, parsed; then every check that needs no model, so that a bad setting fails
-        # here rather than after the target has loaded.
-        self.output = Path(self.output)
-        self.work_dir = None if self.work_dir is None else Path(self.work_dir)
-        self.init_draft = None if self.init_draft is None else Path(self.init_draft)
-        self.draft_vocab_corpus = None if self.draft_vocab_corpus is None else Path(self.draft_vocab_corpus)
-        from .corpus import MANIFEST  # imports numpy: not at the top, where the parser reads this
-
-        if self.draft_vocab_corpus is not None and not (self.draft_vocab_corpus / MANIFEST).is_file():
-            raise ValueError(f"--draft-vocab-corpus {self.draft_vocab_corpus} holds no corpus (no {MANIFEST}): "
-                             "give a corpus folder, e.g. corpus/TARGET of the repository")
-        files = [self.prompts] if isinstance(self.prompts, str | Path) else self.prompts
-        self.prompts = tuple(Path(file) for file in files)
-        self.feature_layers = _parse_feature_layers(self.feature_layers)
-        if self.sources is not None:
-            none = isinstance(self.sources, str) and self.sources.strip() == "none"
-            self.sources = () if none else _comma_list(self.sources)
-        self.proportions = _parse_proportions(self.proportions)
-        self.eval_sets = _comma_list(self.eval_sets)
-        for item in fields(self):
-            choices = item.metadata.get("choices")
-            if choices and getattr(self, item.name) not in choices:
-                raise ValueError(f"{_flag(item)} must be one of {', '.join(choices)}, got {getattr(self, item.name)!r}")
-        from .blocks import check_training_block_size  # imports torch: not at the top, where the parser reads this
-
-        check_training_block_size(self.block_size)
-        if self.draft_layers < 1:
-            raise ValueError(f"--draft-layers must be at least 1, got {self.draft_layers}")
-        if self.distill_weight > 0 and self.store_top_k <= 0:
-            raise ValueError("--distill-weight needs the target's top-k probabilities: add --store-top-k K (e.g. 8)")
-        if self.label_minutes is not None and self.label_minutes < 0:
-            raise ValueError(f"--label-minutes must be >= 0, got {self.label_minutes}")
-        unknown = [name for name in self.sources or () if name not in SOURCES]
-        if unknown:
-            raise ValueError(f"unknown prompt sources {unknown}: choose among {', '.join(SOURCES)}, or 'none'")
-        if not self.source_names() and not self.prompts:
-            raise ValueError("no prompts: give --prompts FILE and/or --sources")
-        self.train_config()  # its own checks
-
-    def source_names(self) -> tuple[str, ...]:
-        """The built-in sources to mix: all of them without prompt files, none with them, unless given."""
-        if self.sources is not None:
-            return self.sources
-        return () if self.prompts else tuple(SOURCES)
-
-    def label_kinds(self) -> list[str]:
-        return list(LABEL_KINDS) if self.labels == "both" else [self.labels]
-
-    @property
-    def training_seed(self) -> int:
-        return self.seed if self.train_seed is None else self.train_seed
-
-    def train_config(self) -> TrainConfig:
-        """The trainer's settings (it checks them)."""
-        from .trainer import TrainConfig
-
-        return TrainConfig(
-            num_anchors=self.num_anchors, gamma=self.gamma, loss_weights=self.loss_weights, learning_rate=self.lr,
-            warmup_ratio=self.warmup_ratio, weight_decay=self.weight_decay, epochs=self.epochs,
-            max_steps=self.max_steps, batch_size=self.batch_size,
-            grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, distill_weight=self.distill_weight,
-            loss_chunk=self.loss_chunk, checkpoint_every=self.checkpoint_every,
-            keep_checkpoints=self.keep_checkpoints, eval_every=self.eval_every,
-            eval_max_new_tokens=self.eval_max_new_tokens, seed=self.training_seed, compute_dtype=self.compute_dtype,
-        )
-
-
-# ---------------------------------------------------------------------- settings as text
-
-
-def _comma_list(value: str | Sequence[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return tuple(filter(None, (part.strip() for part in value.split(","))))
-    return tuple(value)
-
-
-def _parse_feature_layers(value: int | str | Sequence[int]) -> int | tuple[int, ...]:
-    """A count (an int, or text without a comma) or a list of layer ids (a sequence, or a comma list)."""
-    if isinstance(value, str):
-        try:
-            values = [int(part) for part in value.split(",") if part.strip()]
-        except ValueError:
-            raise ValueError(f"--feature-layers takes a count or a comma list of layer ids, got {value!r}") from None
-        value = values[0] if len(values) == 1 and "," not in value else tuple(values)
-    if isinstance(value, int) and value < 1:
-        raise ValueError(f"--feature-layers count must be at least 1, got {value}")
-    return value if isinstance(value, int) else tuple(value)
-
-
-def _parse_proportions(value: str | Mapping[str, float]) -> dict[str, float]:
-    if not isinstance(value, str):
-        return {name: float(weight) for name, weight in value.items()}
-    proportions = {}
-    for item in _comma_list(value):
-        name, _, weight = item.partition("=")
-        try:
-            proportions[name.strip()] = float(weight)
-        except ValueError:
-            raise ValueError(f"--proportions takes name=weight pairs, got {item!r}") from None
-    return proportions
-
-
-def _flag(item: Field) -> str:
-    return "--" + item.name.replace("_", "-")
-
-
-def default_of(item: Field) -> Any:
-    """A field's default (MISSING for a required one)."""
-    return item.default_factory() if item.default_factory is not MISSING else item.default
-
-
-def format_setting(value: Any) -> str:
-    """A setting as its option writes it (the inverse of the parsing in `PipelineConfig`)."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, Path):
-        return str(value.expanduser().resolve())  # the command reproduces the run from any folder
-    if isinstance(value, Mapping):
-        return ",".join(f"{name}={weight}" for name, weight in value.items())
-    if isinstance(value, tuple):
-        one_layer = len(value) == 1 and isinstance(value[0], int)
-        return ",".join(map(str, value)) + ("," if one_layer else "")  # "3," is layer 3, "3" would be a count
-    return str(value)
-
-
-def option_words(item: Field, value: Any) -> list[str]:
-    """The command-line words that set field `item` to `value`."""
-    flag = _flag(item)
-    if value is None:
-        return []  # the option's own default (None) stands for it
-    if isinstance(value, bool):
-        if default_of(item) is True:
-            return [flag if value else "--no-" + flag[2:]]
-        return [flag] if value else []
-    if item.metadata.get("repeat"):
-        return [word for each in value for word in (flag, format_setting(each))]
-    return [flag, format_setting(value)]
-
-
-def exact_command(config: PipelineConfig) -> str:
-    """`flashdraft train` with every setting of `config` spelled out, defaults included: it reproduces the run."""
-    words = ["flashdraft", "train"]
-    for item in fields(config):
-        words += option_words(item, getattr(config, item.name))
-    return shlex.join(words)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -398,8 +88,6 @@ def _say(message: str) -> None:
 
 def work_folder(config: PipelineConfig) -> Path:
     """The work folder: the given one, else one per target under the flashdraft cache."""
-    from ..models import cache_home
-
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", config.target).strip("-")
     return (config.work_dir or cache_home() / "train" / slug).expanduser().resolve()
 
@@ -626,8 +314,8 @@ def run_pipeline(config: PipelineConfig) -> TrainSummary | None:
     import torch
 
     from .distributed import cleanup, setup_distributed
+    from .drafts import ensure_writable
     from .records import exclusive
-    from .trainer import ensure_writable
 
     config = replace(config)  # parsed and checked again: a field may have been set after the config was made
     command = exact_command(config)
@@ -672,10 +360,11 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     from ..text import stop_token_ids
     from .corpus import response_counts
     from .distributed import barrier
+    from .drafts import init_from_target, save_trained_draft, seed_everything, start_from_draft
     from .features import FeatureStore, OnlineFeatures, build_feature_store
     from .loss import DraftVocabulary, label_counts
     from .prompts import read_prompt_file
-    from .trainer import Trainer, init_from_target, save_trained_draft, seed_everything, start_from_draft
+    from .trainer import Trainer
 
     dtype = resolve_dtype(config.dtype, dist.device.type)
     model, tokenizer = load_target(config.target, device=dist.device, dtype=dtype)
@@ -769,7 +458,7 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
             "settings": {"feature storage": config.features, "anchors per sequence": config.num_anchors,
                          "gamma": trainer.gamma, "loss weights": config.loss_weights,
                          "distillation weight": config.distill_weight,
-                         "global batch (sequences)": trainer.global_batch, "peak learning rate": config.lr},
+                         "global batch (sequences)": trainer.global_batch, "peak learning rate": config.learning_rate},
             "command": command,
         }
         folder = save_trained_draft(trainer.kept_draft(), output, summary, card)

@@ -15,7 +15,7 @@ import torch
 
 from .. import text
 from ..target import TargetModel
-from .pipeline import PipelineConfig
+from .config import PipelineConfig
 from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
 

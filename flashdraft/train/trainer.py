@@ -18,6 +18,9 @@ is ever kept or written.
 Every `eval_every` steps the draft's tau on a few held-out prompts is measured by replaying the greedy loop's
 rounds on the target's answers (`flashdraft.evaluation.replay`, answers and features computed once) and the best draft
 so far (by mean tau) is kept; the output folder receives it in the DFlash checkpoint format with a model card.
+
+Around it: `config.py` (the settings), `checkpoints.py` (the files), `drafts.py` (the draft a run starts from and
+the folder it writes).
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,134 +41,44 @@ from tqdm.auto import tqdm
 
 from ..draft import DFlashDraftModel
 from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
-from ..files import file_sha256, write_atomic
 from ..proposals import DFlashProposer, check_compatible
 from ..rules import tau
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, check_training_block_size, make_blocks, sample_anchors
+from .checkpoints import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_FORMAT,
+    DamagedCheckpoint,
+    checkpoint_step,
+    checksum_path,
+    python_rng_state,
+    read_checkpoint,
+    set_python_rng_state,
+    write_checkpoint,
+)
+from .config import TrainConfig
 from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
+from .drafts import (
+    TrainSummary,
+    ensure_writable,
+    init_from_target,
+    save_draft_atomic,
+    save_trained_draft,
+    seed_everything,
+    start_from_draft,
+)
 from .features import FeatureSource
 from .loss import DraftVocabulary, acceptance_weights, block_loss, block_targets, default_gamma, position_weights
-from .pipeline import COMPUTE_DTYPES, LOSS_WEIGHTINGS, PipelineConfig
-from .records import ensure_free_space
 
-CHECKPOINT_DIR = "checkpoints"
-CHECKPOINT_FORMAT = 2  # 2: read with weights_only=True, checksum beside it (1, pickled objects, is refused)
-CHECKPOINT_KEYS = {"draft", "optimizer", "scheduler", "step", "elapsed", "rng", "evaluations", "best", "fingerprint"}
 BEST_DIR = "best"
 METRICS_FILE = "metrics.jsonl"
 RUNNING_STEPS = 20  # steps the running per-position accuracy averages over (exponentially)
 EVAL_BATCH = 8  # evaluation prompts per batch of target answers
 HELDOUT_SEED = -1  # the anchors of held-out sequences are drawn once, the same at every evaluation
 
-
-@dataclass
-class TrainConfig:
-    """Optimisation and bookkeeping settings (the model shape lives in the draft's config). The defaults are the
-    training pipeline's (`PipelineConfig`, the one place they are kept), so the trainer alone trains as
-    `flashdraft train` does."""
-
-    num_anchors: int = PipelineConfig.num_anchors  # blocks per training sequence, redrawn every epoch
-    gamma: float | None = PipelineConfig.gamma  # position-weight decay; None: 7 at block size 16, 4 at 8
-    loss_weights: str = PipelineConfig.loss_weights  # "decay" (by gamma) or "acceptance" (by the running accuracy)
-    learning_rate: float = PipelineConfig.lr
-    warmup_ratio: float = PipelineConfig.warmup_ratio  # share of the steps with a linear warmup
-    weight_decay: float = PipelineConfig.weight_decay
-    epochs: int = PipelineConfig.epochs
-    max_steps: int | None = PipelineConfig.max_steps  # overrides epochs when given
-    batch_size: int = PipelineConfig.batch_size  # sequences per micro-batch, per process
-    grad_accum: int = PipelineConfig.grad_accum  # micro-batches per optimizer step
-    max_grad_norm: float = PipelineConfig.max_grad_norm
-    distill_weight: float = PipelineConfig.distill_weight  # 0: hard labels; 1: the target's top-k; between: a mix
-    loss_chunk: int = PipelineConfig.loss_chunk  # positions per pass through the output head
-    checkpoint_every: int = PipelineConfig.checkpoint_every
-    keep_checkpoints: int = PipelineConfig.keep_checkpoints
-    eval_every: int = PipelineConfig.eval_every  # 0: evaluate only at the end
-    eval_max_new_tokens: int = PipelineConfig.eval_max_new_tokens
-    log_every: int = 10  # the trainer's own: steps between lines of metrics.jsonl
-    compute_dtype: str = PipelineConfig.compute_dtype  # the draft's training passes under autocast; "auto": target's
-    seed: int = PipelineConfig.seed
-
-    def __post_init__(self):
-        positive = {"num_anchors": self.num_anchors, "epochs": self.epochs, "batch_size": self.batch_size,
-                    "grad_accum": self.grad_accum, "checkpoint_every": self.checkpoint_every,
-                    "keep_checkpoints": self.keep_checkpoints, "loss_chunk": self.loss_chunk,
-                    "log_every": self.log_every, "eval_max_new_tokens": self.eval_max_new_tokens}
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.learning_rate <= 0 or self.max_grad_norm <= 0:
-            raise ValueError("learning_rate and max_grad_norm must be positive")
-        if self.loss_weights not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weights must be one of {', '.join(LOSS_WEIGHTINGS)}, got {self.loss_weights!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {self.compute_dtype!r}")
-        if not 0 <= self.distill_weight <= 1:
-            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
-
-
-@dataclass
-class TrainSummary:
-    """What a finished `Trainer.train()` reports."""
-
-    steps: int
-    epochs: float  # passes over the training sequences
-    seconds: float  # wall time over all sessions of the run (resumes included)
-    train_sequences: int
-    blocks_per_second: float  # in this session
-    tokens_per_second: float  # training sequence tokens per second, in this session
-    final_loss: float
-    final_accuracy: list[float]  # per block position 1..B-1, over the last logging window
-    evaluations: list[dict] = field(default_factory=list)  # every evaluation, in order
-    best: dict | None = None  # the evaluation of the kept draft
-
-
-def init_from_target(draft: DFlashDraftModel, target) -> int:
-    """Start the draft's layers from the target's last layers (and its final norm), for every weight whose name
-    and shape match (the draft's q/k norms have no counterpart in Llama-style targets and stay at one).
-    Returns the number of tensors copied."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
-    target_layers = getattr(decoder, "layers", None)
-    if target_layers is None or len(target_layers) < len(draft.layers):
-        raise ValueError(f"cannot initialise from {type(target).__name__}: its decoder layers were not found")
-    copied = 0
-    pairs = [(d, t) for d, t in zip(draft.layers, target_layers[len(target_layers) - len(draft.layers) :])]
-    pairs.append((draft.norm, getattr(decoder, "norm", None)))
-    with torch.no_grad():
-        for draft_module, target_module in pairs:
-            if target_module is None:
-                continue
-            source = target_module.state_dict()
-            for name, tensor in draft_module.state_dict().items():
-                if name in source and source[name].shape == tensor.shape:
-                    tensor.copy_(source[name])
-                    copied += 1
-    return copied
-
-
-def start_from_draft(draft: DFlashDraftModel, start: DFlashDraftModel) -> int:
-    """Load an earlier draft's weights into `draft`, which may have more layers: the earlier draft's layers come
-    first, and each added layer's output projections (attention o, MLP down) start at zero, so that the grown draft
-    computes exactly what the earlier one did and training adds to it (its other weights stay as they were, e.g.
-    from `init_from_target`). Returns the number of layers added. The drafting vocabulary is not carried over."""
-    weights = start.state_dict()
-    weights.pop("draft_vocab_ids", None)
-    added = len(draft.layers) - len(start.layers)
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    ours = {f"layers.{i}." for i in range(len(start.layers), len(draft.layers))}
-    strays = [name for name in missing if not any(name.startswith(prefix) for prefix in ours)]
-    if added < 0 or unexpected or strays:
-        raise ValueError(f"a draft of {len(start.layers)} layers cannot start a draft of {len(draft.layers)}: "
-                         f"weights {(unexpected + strays)[:3]} do not match")
-    with torch.no_grad():
-        for layer in draft.layers[len(start.layers):]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return added
+# Re-exported: the trainer's callers find the pieces of a run here.
+__all__ = ["BEST_DIR", "CHECKPOINT_DIR", "METRICS_FILE", "TrainConfig", "TrainSummary", "Trainer", "ensure_writable",
+           "init_from_target", "read_checkpoint", "save_trained_draft", "seed_everything", "start_from_draft"]
 
 
 def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -178,89 +89,8 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def ensure_writable(folder: Path, needed_bytes: int, what: str) -> None:
-    """Fail before training, not hours into it, when `folder` cannot be written or lacks space."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-test"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(f"cannot write the {what} to {folder} ({error.strerror}): choose a writable folder") from None
-    ensure_free_space(folder, needed_bytes, what)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's and torch's generators (every device): call it before building the draft, so that its random
-    initialisation, and with it a fresh run, is the same for the same seed."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors that hold a NaN or an infinity."""
-    return [name for name, tensor in tensors.items()
-            if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all()]
-
-
-class DamagedCheckpoint(Exception):
-    """A checkpoint that cannot be trusted; the message says why."""
-
-
 class NonFiniteStep(Exception):
     """An optimizer step whose loss or gradient norm is not finite (it was not applied)."""
-
-
-def _checksum_path(checkpoint: Path) -> Path:
-    return checkpoint.with_suffix(".json")
-
-
-def _checkpoint_step(checkpoint: Path) -> int:
-    return int(checkpoint.stem.split("-")[1])
-
-
-def _python_rng_state() -> list:
-    # random.getstate() is (version, tuple of ints, gauss_next): kept as plain lists, which weights_only reads
-    version, internal, gauss_next = random.getstate()
-    return [version, list(internal), gauss_next]
-
-
-def _set_python_rng_state(state: list) -> None:
-    version, internal, gauss_next = state
-    random.setstate((version, tuple(internal), gauss_next))
-
-
-def read_checkpoint(path: Path) -> dict:
-    """A checkpoint's state, after checking it against its checksum file and for non-finite values; raises
-    `DamagedCheckpoint` saying what is wrong. Nothing is unpickled but tensors and plain values."""
-    record_path = _checksum_path(path)
-    if not record_path.is_file():
-        raise DamagedCheckpoint(f"it has no checksum file {record_path.name} (written by an older flashdraft, whose "
-                                "checkpoints this one does not read)")
-    try:
-        record = json.loads(record_path.read_text())
-        size = path.stat().st_size
-    except (OSError, ValueError) as error:
-        raise DamagedCheckpoint(f"it or its checksum file cannot be read ({error})") from None
-    if not isinstance(record, dict):
-        raise DamagedCheckpoint(f"its checksum file {record_path.name} holds no checksum")
-    if size != record.get("bytes"):
-        raise DamagedCheckpoint(f"it has {size} bytes where {record.get('bytes')} were written (truncated?)")
-    if file_sha256(path) != record.get("sha256"):
-        raise DamagedCheckpoint("its sha256 differs from the one recorded when it was written")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # any failure to read it (zip, pickle, a refused object) means: do not use it
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DamagedCheckpoint(f"it cannot be read ({reason})") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or not CHECKPOINT_KEYS <= state.keys():
-        raise DamagedCheckpoint(f"it is not a flashdraft checkpoint of format {CHECKPOINT_FORMAT}")
-    moments = {f"optimizer {key} of parameter {index}": value
-               for index, values in state["optimizer"]["state"].items() for key, value in values.items()}
-    bad = non_finite(state["draft"]) + non_finite(moments)
-    if bad:
-        raise DamagedCheckpoint(f"it holds non-finite values ({', '.join(bad[:3])})")
-    return state
 
 
 class Trainer:
@@ -650,7 +480,7 @@ class Trainer:
             keep = score is not None and all(map(math.isfinite, score))  # a NaN would win against nothing, then stay
             if keep and (self.best is None or score > self._score(self.best)):
                 self.best = evaluation
-                _save_draft_atomic(self.draft, self.run_dir / BEST_DIR)
+                save_draft_atomic(self.draft, self.run_dir / BEST_DIR)
             if self.progress:
                 taus = ", ".join(f"{k} {v:.2f}" for k, v in evaluation["tau"].items())
                 loss = evaluation.get("heldout_loss", 0.0)
@@ -670,27 +500,14 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "step": self.step,
                 "elapsed": self.elapsed + session_seconds,
-                "rng": {"python": _python_rng_state(), "torch": torch.get_rng_state(),
+                "rng": {"python": python_rng_state(), "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                 "evaluations": self.evaluations,
                 "best": self.best,
                 "fingerprint": self._fingerprint(),
                 "running_accuracy": self.running_accuracy,
             }
-            folder = self.run_dir / CHECKPOINT_DIR
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"step-{self.step:08d}.pt"
-            temporary = path.with_suffix(".tmp")
-            torch.save(state, temporary)
-            # The checksum is of the bytes on disk, and goes in place first: a checkpoint always has its checksum
-            # file (a kill between the two renames leaves a checksum file alone, or a stale one that resume reports).
-            record = {"format": CHECKPOINT_FORMAT, "step": self.step, "bytes": temporary.stat().st_size,
-                      "sha256": file_sha256(temporary)}
-            write_atomic(_checksum_path(path), json.dumps(record) + "\n")
-            os.replace(temporary, path)
-            for old in sorted(folder.glob("step-*.pt"))[: -self.config.keep_checkpoints]:
-                old.unlink()
-                _checksum_path(old).unlink(missing_ok=True)
+            write_checkpoint(state, self.run_dir / CHECKPOINT_DIR, self.step, self.config.keep_checkpoints)
         barrier()
 
     def _newest_intact(self) -> tuple[dict | None, list[tuple[Path, str]]]:
@@ -733,18 +550,18 @@ class Trainer:
         self.evaluations = state["evaluations"]
         self.best = state["best"]
         self.running_accuracy = state.get("running_accuracy")  # absent in checkpoints of earlier versions
-        _set_python_rng_state(state["rng"]["python"])
+        set_python_rng_state(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         barrier()  # every process has read before the main one moves files
         for path, reason in damaged:
             aside = path.with_name(path.name + ".damaged")
-            self._warn(f"checkpoint step {_checkpoint_step(path)} is damaged ({path}: {reason}): resuming from step "
+            self._warn(f"checkpoint step {checkpoint_step(path)} is damaged ({path}: {reason}): resuming from step "
                        f"{self.step}; the damaged file is kept as {aside.name}")
             if self.dist.is_main:
                 os.replace(path, aside)
-                _checksum_path(path).unlink(missing_ok=True)
+                checksum_path(path).unlink(missing_ok=True)
         return self.step
 
     def _resume(self) -> None:
@@ -779,73 +596,3 @@ class Trainer:
         return self.draft
 
 
-def _save_draft_atomic(draft: DFlashDraftModel, folder: Path) -> None:
-    bad = non_finite(draft.state_dict())
-    if bad:  # a diverged draft is never kept nor shipped
-        raise ValueError(f"the draft has non-finite weights ({', '.join(bad[:3])}): it is not written to {folder}")
-    temporary = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(temporary, ignore_errors=True)
-    draft.save_pretrained(temporary)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(temporary, folder)
-
-
-def save_trained_draft(
-    draft: DFlashDraftModel, output_dir: str | Path, summary: TrainSummary, card: Mapping
-) -> Path:
-    """Write the draft folder (SPEC section 2 format), its model card README.md and training.json."""
-    output_dir = Path(output_dir)
-    _save_draft_atomic(draft, output_dir)
-    (output_dir / "training.json").write_text(json.dumps({**card, "summary": asdict(summary)}, indent=2) + "\n")
-    (output_dir / "README.md").write_text(model_card(draft, summary, card))
-    return output_dir
-
-
-def model_card(draft: DFlashDraftModel, summary: TrainSummary, card: Mapping) -> str:
-    """The model card: what the draft is for, how it was trained, and what it reaches."""
-    config = draft.config
-    vocab_size = config.dflash_config.get("draft_vocab_size")
-    lines = [
-        f"# DFlash draft for {card.get('target', 'its target')}",
-        "",
-        "A DFlash block-diffusion draft model for lossless speculative decoding, trained with flashdraft "
-        "(`flashdraft train`). Format: a Qwen3-shaped `config.json` with `block_size`, `num_target_layers` and "
-        "`dflash_config`, weights in safetensors; embeddings and output head are the target's.",
-        "",
-        "## Model",
-        "",
-        f"- target: `{card.get('target')}` ({config.num_target_layers} layers, hidden size {config.hidden_size})",
-        f"- draft layers: {config.num_hidden_layers}; block size {config.block_size}; "
-        f"mask token id {draft.mask_token_id}; target feature layers {draft.target_layer_ids}",
-        f"- trainable parameters: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M",
-        "- drafting vocabulary: "
-        + (f"{vocab_size} most frequent target output tokens (`draft_vocab_ids`)" if vocab_size else "the full one"),
-        "",
-        "## Training data",
-        "",
-    ]
-    for source, counts in (card.get("data") or {}).items():
-        lines.append(f"- {source}: {counts.get('sequences', 0)} sequences, {counts.get('tokens', 0)} response tokens")
-    lines += ["", f"Labels: {card.get('labels', 'n/a')}.", "", "## Training", ""]
-    lines += [
-        f"- steps: {summary.steps} ({summary.epochs:.2f} epochs over {summary.train_sequences} sequences)",
-        f"- wall time: {summary.seconds / 60:.1f} minutes",
-        f"- final training loss {summary.final_loss:.3f}; per-position accuracy "
-        + " ".join(f"{a:.2f}" for a in summary.final_accuracy),
-    ]
-    for key, value in (card.get("settings") or {}).items():
-        lines.append(f"- {key}: {value}")
-    lines += ["", "## Acceptance (tau, greedy, pooled over the rounds of the held-out prompts)", ""]
-    if summary.best is not None:
-        lines.append(f"Kept draft: step {summary.best['step']}.")
-        lines.append("")
-        for name, tau in summary.best["tau"].items():
-            lines.append(f"- {name}: tau {tau:.2f}")
-        if "heldout_accuracy" in summary.best:
-            lines.append(
-                "- held-out per-position accuracy: " + " ".join(f"{a:.2f}" for a in summary.best["heldout_accuracy"])
-            )
-    else:
-        lines.append("Not evaluated.")
-    lines += ["", "## Reproduce", "", "```", card.get("command", ""), "```", ""]
-    return "\n".join(lines)

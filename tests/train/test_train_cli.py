@@ -16,7 +16,7 @@ from flashdraft.cli import build_parser, main
 from flashdraft.commands.train import config_from_args
 from flashdraft.draft import DFlashDraftModel, check_draft_folder
 from flashdraft.train import PipelineConfig, run_pipeline
-from flashdraft.train.pipeline import default_of, exact_command, format_setting
+from flashdraft.train.config import default_of, exact_command, format_setting
 from flashdraft.train.records import read_records
 from train.tiny_training import one_thread  # noqa: F401
 

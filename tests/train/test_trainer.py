@@ -5,6 +5,7 @@ the best draft, writes the output folder, and stops bad input before any work.""
 import json
 import math
 import random
+import shutil
 import time
 from collections import namedtuple
 
@@ -489,7 +490,7 @@ def test_unwritable_or_full_run_folder_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot write the checkpoints"):
         make_trainer(tmp_path, "file/run")
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(trainer_module.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
     with pytest.raises(ValueError, match="GB free but the checkpoints need"):
         make_trainer(tmp_path)
     monkeypatch.setattr(features_module.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
