@@ -15,11 +15,12 @@ from flashdraft.commands.options import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
+DEFAULT_BODY_SECONDS = 60.0  # as flashdraft.serve.app's (the same test checks)
 DEFAULT_MAX_BATCH_SIZE = 16  # as flashdraft.serve.worker's (tests/serve/test_cli.py checks they agree)
 DEFAULT_PREFIX_CACHE_TOKENS = 1024  # as flashdraft.batching's (the same test checks)
-# After SIGTERM the worker answers every request within a round; this bounds what is left (a client that does not
-# read its answer) before uvicorn cancels it.
-SHUTDOWN_SECONDS = 5
+# After SIGTERM every open request is answered at once; this bounds what is left (a client that does not read its
+# answer) before uvicorn cancels it. With the second the worker's thread is given, the exit takes at most ~5 s.
+SHUTDOWN_SECONDS = 3
 
 
 def register(subparsers) -> None:
@@ -70,6 +71,10 @@ def register(subparsers) -> None:
         help="largest request body served; a larger one is answered 413 (default: 4194304, 4 MiB)",
     )
     parser.add_argument(
+        "--body-seconds", type=float, default=DEFAULT_BODY_SECONDS,
+        help="seconds a request body may take to arrive; a slower one is answered 408 (default: %(default)s)",
+    )
+    parser.add_argument(
         "--served-model-name", default=None,
         help="the model name clients send and /v1/models lists (default: the --target value)",
     )
@@ -102,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefix-cache-tokens must be 0 or more, got {args.prefix_cache_tokens}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    if not args.body_seconds > 0:  # NaN too
+        raise ValueError(f"--body-seconds must be above 0, got {args.body_seconds}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     target_name = args.target or DEFAULT_TARGET
@@ -120,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
             proposals=args.proposals,
         )
         app = create_app(engine, max_queue=args.max_queue, max_batch_size=args.max_batch_size,
-                         max_body_bytes=args.max_body_bytes, prefix_cache_tokens=args.prefix_cache_tokens)
+                         max_body_bytes=args.max_body_bytes, body_seconds=args.body_seconds,
+                         prefix_cache_tokens=args.prefix_cache_tokens)
         mode = f"{engine.proposals} proposals, block size {engine.block_size}" if engine.proposals else "no draft"
         print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
         config = uvicorn.Config(

@@ -6,8 +6,14 @@ and answer either with one JSON body or with server-sent events in OpenAI's chun
 `data: [DONE]`. Every error, ours or the framework's, leaves in OpenAI's error schema
 `{"error": {"message", "type", "param", "code"}}`, always with a code a client can branch on.
 
-Nothing slow runs on the event loop: bodies are limited in size (413 above `max_body_bytes`), prompts are
+Nothing slow runs on the event loop: bodies are limited in size (413 above `max_body_bytes`, at once when the
+Content-Length says so) and in time (408 when one does not arrive within `body_seconds`), a prompt longer than the
+context could hold is refused before it is tokenized (its characters against the longest token), prompts are
 tokenized in a thread, and the model runs in the worker's, so /health and running streams never wait on a request.
+
+Shutting down (`Server`, on SIGTERM or Ctrl-C), every request still open is answered at once, whatever the worker
+is computing: waiting and running ones `shutting_down` (a 503, or a stream's last event before `[DONE]`), a body
+still arriving a 503 too.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from itertools import takewhile
 
 import uvicorn
@@ -49,6 +55,7 @@ from .schemas import (
 from .worker import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PREFIX_CACHE_TOKENS,
+    SHUTTING_DOWN,
     Cancelled,
     Engine,
     Failed,
@@ -70,9 +77,17 @@ DEFAULT_COMPLETION_TOKENS = 16
 # The largest request body served: far above any context length in tokens (a 128k-token prompt is about 1 MB of
 # text or of token ids), far below what would hold up the server to parse.
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-# Beyond the limit, this much more of a body is read (and dropped) before the 413, so that a client still sending
-# gets to read it; a longer body is cut off.
+# A body must have arrived this long after its request began (a client sending a byte now and then holds a
+# connection and its buffer: 408). 4 MiB on a slow link of 1 Mbit/s takes about 34 s.
+DEFAULT_BODY_SECONDS = 60.0
+# After a 413 has been sent, what the client still sends is read and dropped, up to this much and while it keeps
+# coming, before the connection is closed: a client that writes its whole body before reading gets to read the
+# answer instead of a reset connection.
 DRAIN_BYTES = 64 << 20
+DRAIN_IDLE_SECONDS = 1.0
+# At shutdown, how long the worker's thread is waited for once every request is answered: it may be in the middle of
+# a long forward (a prefill of thousands of tokens), which the exit does not wait for (the thread is a daemon).
+WORKER_JOIN_SECONDS = 1.0
 
 # Half of a UTF-16 surrogate pair: JSON can escape one alone ("\ud800"), but no UTF-8 text, so no tokenizer, holds it.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -124,36 +139,93 @@ class JSONBodies:
 
 class BodyLimit:
     """ASGI middleware: a request body above `max_bytes` is answered 413 (`request_too_large`) without being kept
-    or parsed, whether its Content-Length says so or it is sent in chunks; a smaller one is passed on whole."""
+    or parsed: at once when its Content-Length says so, else as soon as that many bytes have come; a body that has
+    not arrived `seconds` after the request began is answered 408 (`request_timeout`), and one still arriving when
+    `stopping` is set 503 (`shutting_down`). A body within the limits is passed on whole."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, seconds: float, stopping: asyncio.Event):
         self.app = app
         self.max_bytes = max_bytes
+        self.seconds = seconds
+        self.stopping = stopping
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        too_large = declared.isdigit() and int(declared) > self.max_bytes
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.seconds
         body, received, more = [], 0, True
-        while more and received <= self.max_bytes + DRAIN_BYTES:
-            message = await receive()
+        while more:
+            try:
+                message = await _receive_before(receive, deadline, self.stopping)
+            except TimeoutError:
+                error = APIError(
+                    408, f"the request body did not arrive within {self.seconds:g} s: send it at once, or start the "
+                    "server with a longer --body-seconds", code="request_timeout",
+                )
+                await _error_response(error, {"Connection": "close"})(scope, receive, send)
+                return
+            except ShuttingDown:
+                error = APIError(503, f"{SHUTTING_DOWN}: retry with another server or once it is back",
+                                 type="server_error", code="shutting_down")
+                await _error_response(error, {"Connection": "close"})(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk, more = message.get("body", b""), message.get("more_body", False)
             received += len(chunk)
-            too_large = too_large or received > self.max_bytes
-            if not too_large:
-                body.append(chunk)
-        if too_large:
-            error = APIError(
-                413, f"the request body is larger than {self.max_bytes} bytes, this server's limit: send a shorter "
-                "prompt, or start the server with a larger --max-body-bytes", code="request_too_large",
-            )
-            await _error_response(error)(scope, receive, send)
-            return
+            if received > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            body.append(chunk)
         await self.app(scope, _replay(b"".join(body), receive), send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        """The 413 goes out whole at once; the response ends (and the connection closes) once what the client still
+        sends has been read, up to `DRAIN_BYTES`, or nothing came for `DRAIN_IDLE_SECONDS`."""
+        error = APIError(
+            413, f"the request body is larger than {self.max_bytes} bytes, this server's limit: send a shorter "
+            "prompt, or start the server with a larger --max-body-bytes", code="request_too_large",
+        )
+        body = error.body.model_dump_json().encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        drained, more, loop = 0, True, asyncio.get_running_loop()
+        while more and drained <= DRAIN_BYTES and not self.stopping.is_set():
+            try:
+                message = await _receive_before(receive, loop.time() + DRAIN_IDLE_SECONDS, self.stopping)
+            except (TimeoutError, ShuttingDown):
+                break
+            drained += len(message.get("body", b""))
+            more = message["type"] != "http.disconnect" and message.get("more_body", False)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _receive_before(receive, deadline: float, stopping: asyncio.Event):
+    """`receive()`, raising TimeoutError once the event loop's clock passes `deadline` and ShuttingDown as soon as
+    `stopping` is set (a server shutting down waits for no body)."""
+    if stopping.is_set():
+        raise ShuttingDown
+    receiving, stopped = asyncio.ensure_future(receive()), asyncio.ensure_future(stopping.wait())
+    try:
+        timeout = max(deadline - asyncio.get_running_loop().time(), 0)
+        done, _ = await asyncio.wait((receiving, stopped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not receiving.done():
+            receiving.cancel()
+    if receiving in done:
+        return receiving.result()
+    if stopped in done:
+        raise ShuttingDown
+    raise TimeoutError
 
 
 def _replay(body: bytes, receive):
@@ -320,15 +392,29 @@ async def _events(job: Job) -> AsyncIterator[TextDelta | Finished | Failed | Can
 
 
 def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_seconds: float = DEFAULT_BODY_SECONDS,
                prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> FastAPI:
     """The server's FastAPI app over `engine`, with a worker stepping up to `max_batch_size` requests together (1:
-    one at a time) whose queue holds up to `max_queue` more, serving request bodies of up to `max_body_bytes`;
-    batched, it keeps up to `prefix_cache_tokens` positions of prompt prefixes that requests share."""
+    one at a time) whose queue holds up to `max_queue` more, serving request bodies of up to `max_body_bytes` that
+    arrive within `body_seconds`; batched, it keeps up to `prefix_cache_tokens` positions of prompt prefixes that
+    requests share. `app.state.begin_shutdown()` (called on the event loop) answers every open request at once."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+    if not body_seconds > 0:
+        raise ValueError(f"body_seconds must be above 0, got {body_seconds}")
     worker = Worker(engine, max_queue, max_batch_size, prefix_cache_tokens)
     started = int(time.time())
+    max_prompt_chars = engine.max_prompt_chars  # computed now (a walk over the vocabulary), not on a request
+    stopping = asyncio.Event()
+    open_jobs: set[Job] = set()  # submitted, not yet answered: what a shutdown must answer
+
+    def begin_shutdown() -> None:
+        """Refuse new requests and bodies still arriving, and answer every open one `shutting_down` now: the worker
+        may be in the middle of a long forward, which nobody waits for (see `Worker.stop`)."""
+        stopping.set()
+        worker.stop(wait=False)
+        for job in list(open_jobs):
+            job.events.put_nowait(Failed(SHUTTING_DOWN, code="shutting_down"))  # the first last event is the one read
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -336,7 +422,8 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
         try:
             yield
         finally:
-            worker.stop()
+            begin_shutdown()
+            worker.stop(timeout=WORKER_JOIN_SECONDS)
 
     app = FastAPI(
         title="flashdraft",
@@ -345,8 +432,10 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
         lifespan=lifespan,
     )
     app.state.worker = worker
+    app.state.begin_shutdown = begin_shutdown
     app.add_middleware(JSONBodies)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # added last: the outermost, before anything reads
+    # Added last: the outermost, before anything reads.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, seconds=body_seconds, stopping=stopping)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -390,6 +479,7 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
         _check_text(await request.json())  # the body as parsed: FastAPI's, cached
         _check_request(body)
         messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+        _check_length(sum(len(message["content"]) for message in messages), "messages")
         prompt = await _tokenize(engine.chat_prompt, messages, "messages")
         max_tokens = _token_budget(len(prompt), body.token_budget, "messages", default=None)
         return await _respond(request, body, prompt, max_tokens, ChatFormat(engine.name))
@@ -406,6 +496,7 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
                     param="prompt", code="unsupported_parameter",
                 )
             prompt_input = prompt_input[0]
+        _check_length(len(prompt_input), "prompt")
         prompt = await _tokenize(engine.text_prompt, prompt_input, "prompt")
         max_tokens = _token_budget(len(prompt), body.token_budget, "prompt", default=DEFAULT_COMPLETION_TOKENS)
         return await _respond(request, body, prompt, max_tokens, CompletionFormat(engine.name))
@@ -430,6 +521,17 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
             raise APIError(
                 404, f"model {body.model!r} is not served here: this server serves {engine.name!r} (see /v1/models)",
                 param="model", code="model_not_found",
+            )
+
+    def _check_length(length: int, param: str) -> None:
+        """Refuse a prompt that cannot fit the context before tokenizing it (a prompt of megabytes takes seconds):
+        `length` characters (or token ids) make at least length / `max_prompt_chars` * context tokens."""
+        limit = engine.context_length
+        if limit is not None and length > max_prompt_chars:
+            raise APIError(
+                400, f"the {param} are {length} characters long, more than the model's context of {limit} tokens "
+                f"can hold (at most {max_prompt_chars} characters with its longest tokens): shorten the prompt",
+                param=param, code="context_length_exceeded",
             )
 
     async def _tokenize(to_ids, prompt_input, param: str) -> list[int]:
@@ -478,9 +580,15 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
             raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
         except ShuttingDown as error:
             raise APIError(503, str(error), type="server_error", code="shutting_down") from None
+        open_jobs.add(job)
+
+        def release() -> None:  # the request is answered (or its client gone): the worker may drop the job
+            open_jobs.discard(job)
+            worker.cancel(job)
+
         if body.stream:
-            return EventStream(_stream(job, format, len(prompt), body.include_usage), lambda: worker.cancel(job))
-        return await _collect(request, job, format, len(prompt))
+            return EventStream(_stream(job, format, len(prompt), body.include_usage), release)
+        return await _collect(request, job, format, len(prompt), release)
 
     async def _stream(job: Job, format, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         first = True
@@ -499,7 +607,7 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
                     yield _sse(format.usage(_usage(prompt_tokens, event)))
         yield "data: [DONE]\n\n"
 
-    async def _collect(request: Request, job: Job, format, prompt_tokens: int):
+    async def _collect(request: Request, job: Job, format, prompt_tokens: int, release):
         # Nothing is written before the end, so a departed client is noticed by listening for its disconnect.
         async def cancel_when_gone():
             while (await request.receive())["type"] != "http.disconnect":
@@ -520,7 +628,7 @@ def create_app(engine: Engine, *, max_queue: int = 64, max_batch_size: int = DEF
                     return format.response("".join(parts), event, _usage(prompt_tokens, event))
         finally:
             watcher.cancel()
-            worker.cancel(job)
+            release()
 
     return app
 
@@ -533,10 +641,21 @@ def _usage(prompt_tokens: int, finished: Finished) -> Usage:
 
 class Server(uvicorn.Server):
     """uvicorn's server for an app of `create_app`. On SIGTERM or Ctrl-C uvicorn stops listening, then waits for
-    every open request to end, and a request here can take minutes; so the worker stops first: waiting requests are
-    answered `shutting_down` (503, or a last event in a stream) at once and the running one after its current round,
-    and the server exits within seconds whatever its clients do."""
+    every open request to end, and a request here can take minutes; so every open request is answered first:
+    waiting and running ones `shutting_down` (a JSON 503, or a stream's last event and `[DONE]`), a body still
+    arriving 503. uvicorn's grace period is then left for clients that do not read their answer, and the server
+    exits within seconds whatever its clients do, with status 0: the stop was asked for and went as planned
+    (uvicorn itself re-raises the signal, so that its status would say "killed by SIGTERM")."""
 
     async def shutdown(self, sockets=None) -> None:
-        self.config.app.state.worker.stop(wait=False)  # the thread is joined in the app's lifespan, after this
+        self.config.app.state.begin_shutdown()  # the worker's thread is joined in the app's lifespan, after this
         await super().shutdown(sockets=sockets)
+
+    @contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                if not self.force_exit:  # a second Ctrl-C forced the exit: that one still tells
+                    self._captured_signals.clear()

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -90,6 +91,18 @@ class Engine:
     def context_length(self) -> int | None:
         """Prompt plus completion tokens the target can take, when its config says."""
         return self.target.max_positions
+
+    @cached_property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a prompt that fits the context can have: the context length times the longest token
+        of the vocabulary (a token's text is at most its string's length), three times that when the tokenizer
+        normalizes text (NFC composes up to three characters into one). None when the context is not known."""
+        if self.context_length is None:
+            return None
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        normalizes = backend is None or backend.normalizer is not None
+        return self.context_length * longest * (3 if normalizes else 1)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template, ready for the assistant's turn."""
@@ -216,9 +229,10 @@ class Worker:
         self._thread = threading.Thread(target=serve, name="flashdraft-worker", daemon=True)
         self._thread.start()
 
-    def stop(self, wait: bool = True) -> None:
-        """Fail what waits, stop what runs after its current round (both answered `shutting_down`), refuse new
-        jobs, and (with `wait`) wait for the thread to end. Safe to call again."""
+    def stop(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Fail what waits, stop what runs after its current forward (both answered `shutting_down`), refuse new
+        jobs, and (with `wait`) wait for the thread to end, up to `timeout` seconds: a forward is never interrupted,
+        and a long one (a prefill of thousands of tokens) is left to end with the process. Safe to call again."""
         with self._changed:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), deque()
@@ -226,7 +240,10 @@ class Worker:
         for job in waiting:
             job.push(Failed(SHUTTING_DOWN, code="shutting_down"))
         if wait and self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the worker is still in a forward pass after %s s: exiting without waiting for it",
+                               timeout)
 
     def submit(self, job: Job) -> None:
         with self._changed:
@@ -276,7 +293,7 @@ class Worker:
             for phase in (Batch.prefill, Batch.decode):
                 try:
                     self._free_departed()  # a gone client's row is freed before the forward (and at once when idle)
-                    if not running:
+                    if not running or self._stopping:
                         break
                     self._send(phase(self._batch))
                 except Exception as error:  # a failure fails the running jobs, never the worker

@@ -4,6 +4,7 @@ server included, answered with a code."""
 
 import http.client
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -264,6 +265,66 @@ def test_a_chunked_body_above_the_limit_is_413_too(address):
     status, _, text = request(address, "POST", "/v1/completions", chunks, JSON)
     assert status == 413
     assert_error(json.loads(text), "request_too_large")
+
+
+def raw_exchange(address, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    """Send a request head and (part of) a body over a plain socket, then read the answer: (status, JSON body).
+    The socket's timeout only turns a server that never answers into a failure."""
+    with socket.create_connection(address, timeout=30) as connection:
+        connection.sendall(head + body)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    head_part, _, text = answer.partition(b"\r\n\r\n")
+    return int(head_part.split()[1]), json.loads(text)
+
+
+def test_a_declared_length_above_the_limit_is_413_before_any_body_comes(address):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    status, answer = raw_exchange(address, head + b"Content-Length: 1000000000000\r\n\r\n")
+    assert status == 413
+    assert_error(answer, "request_too_large")
+
+
+@pytest.fixture(scope="module")
+def impatient(engine):
+    """A server that waits half a second for a body."""
+    with serve_in_thread(create_app(engine, max_queue=4, max_batch_size=1, body_seconds=0.5)) as address:
+        yield address
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408(impatient):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    status, answer = raw_exchange(impatient, head, b'{"prompt": ')  # and nothing more
+    assert status == 408
+    assert_error(answer, "request_timeout")
+    assert "--body-seconds" in answer["error"]["message"]
+    assert post(impatient, "/v1/completions", COMPLETION)[0] == 200  # a body sent at once is served
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/completions", {**COMPLETION, "prompt": "w" * (CONTEXT * 12)}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "w" * (CONTEXT * 12)}]}, "messages"),
+])
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(address, engine, monkeypatch, path,
+                                                                               fields, param):
+    assert engine.max_prompt_chars == CONTEXT * max(map(len, engine.tokenizer.get_vocab()))  # no normalizer
+    monkeypatch.setattr(engine, "text_prompt", lambda prompt: pytest.fail("tokenized"))
+    monkeypatch.setattr(engine, "chat_prompt", lambda messages: pytest.fail("tokenized"))
+    status, answer = post(address, path, fields)
+    assert status == 400
+    assert_error(answer, "context_length_exceeded")
+    assert answer["error"]["param"] == param and "characters" in answer["error"]["message"]
+
+
+def test_a_prompt_within_the_character_bound_is_counted_exactly(address, engine):
+    prompt = "w1 " * CONTEXT  # few characters, more tokens than the context
+    assert len(prompt) <= engine.max_prompt_chars
+    status, answer = post(address, "/v1/completions", {**COMPLETION, "prompt": prompt})
+    assert status == 400
+    assert_error(answer, "context_length_exceeded")
+    assert "tokens" in answer["error"]["message"]
 
 
 def test_a_body_below_the_limit_is_served(address):

@@ -51,11 +51,18 @@ def test_proposals_that_cannot_work_fail_before_any_model_loads(no_model_loads, 
     assert capsys.readouterr().err == f"flashdraft serve: error: {message}\n"
 
 
-def test_the_default_body_limit_is_the_apps():
+def test_the_default_body_limits_are_the_apps():
     from flashdraft.commands import serve
     from flashdraft.serve import app
 
     assert serve.DEFAULT_MAX_BODY_BYTES == app.DEFAULT_MAX_BODY_BYTES == 4 << 20
+    assert serve.DEFAULT_BODY_SECONDS == app.DEFAULT_BODY_SECONDS
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan"])
+def test_a_body_time_limit_that_is_not_positive_fails_before_any_model_loads(no_model_loads, capsys, seconds):
+    assert main(["serve", "--no-draft", "--port", "8000", "--body-seconds", seconds]) == 2
+    assert capsys.readouterr().err == f"flashdraft serve: error: --body-seconds must be above 0, got {float(seconds)}\n"
 
 
 def test_the_default_batch_size_and_prefix_cache_are_the_libraries():

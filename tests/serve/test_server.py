@@ -76,14 +76,15 @@ def raw(base: str, method: str, path: str, body: bytes | None = None, content_ty
         connection.close()
 
 
-def start_server(folders, log_path) -> tuple[subprocess.Popen, str]:
-    """`flashdraft serve` on the saved tiny models, answering on a free loopback port: (process, base URL)."""
+def start_server(folders, log_path, max_batch_size: int = 1) -> tuple[subprocess.Popen, str]:
+    """`flashdraft serve` on the saved tiny models, answering on a free loopback port: (process, base URL). One
+    request at a time unless asked: the queue's tests count one running request (batched: test_worker.py)."""
     port = free_port()
     command = [
         sys.executable, "-m", "flashdraft.cli", "serve", "--target", str(folders[0]), "--draft", str(folders[1]),
         "--block-size", str(BLOCK_SIZE),
         "--host", "127.0.0.1", "--port", str(port), "--max-queue", str(MAX_QUEUE), "--served-model-name", MODEL,
-        "--max-batch-size", "1",  # the queue's tests count one running request (batched: tests/serve/test_worker.py)
+        "--max-batch-size", str(max_batch_size),
     ]
     # One thread: the tiny model gains nothing from more, and the machine is shared.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -463,38 +464,109 @@ def answer(connection: http.client.HTTPConnection) -> tuple[int, str]:
         connection.close()
 
 
-def test_sigterm_ends_the_server_within_seconds_whatever_its_clients_did(folders, tmp_path):
-    process, url = start_server(folders, tmp_path / "server.log")
-    health = lambda: get(url, "/health")[1]  # noqa: E731
-    long = {"messages": user(RUNS_LONG), "max_tokens": 4000, "temperature": 0}  # seconds of decoding
-    try:
-        # Two clients drop their (non-stream) requests: one running, one waiting.
-        dropped_running = send(url, "/v1/chat/completions", long)
-        wait_until(lambda: health()["running"] == 1)
-        dropped_waiting = send(url, "/v1/chat/completions", {"messages": user("w5"), "max_tokens": 2})
-        wait_until(lambda: health()["queued"] == 1)
-        dropped_running.close()
-        dropped_waiting.close()
-        wait_until(lambda: health()["cancelled"] == 2)
-        # Two stay: a long stream running, a request waiting behind it.
-        streaming = send(url, "/v1/chat/completions", {**long, "stream": True})
-        wait_until(lambda: health()["running"] == 1)
-        waiting = send(url, "/v1/completions", {"prompt": "w1", "max_tokens": 2})
-        wait_until(lambda: health()["queued"] == 1)
+def stream_ending(text: str) -> tuple[str, str]:
+    """The last two events of a stream: ([DONE], the error's code or "finished")."""
+    events = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
+    last = json.loads(events[-2])
+    return events[-1], last["error"]["code"] if "error" in last else "finished"
 
-        process.send_signal(signal.SIGTERM)
-        with ThreadPoolExecutor(2) as pool:
-            answers = [pool.submit(answer, connection) for connection in (streaming, waiting)]
-            (stream_status, stream_text), (waiting_status, waiting_text) = [a.result(timeout=30) for a in answers]
-        process.wait(timeout=10)
+
+def half_sent_body(base: str):
+    """A connection whose request announced 1000 bytes of body and sent 12."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)), timeout=60)
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n{\"prompt\": \"w")
+    return connection
+
+
+def read_raw(connection: socket.socket) -> tuple[int, str]:
+    answer = b""
+    while chunk := connection.recv(65536):
+        answer += chunk
+    connection.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+LONG = {"messages": user(RUNS_LONG), "max_tokens": 4000, "temperature": 0}  # seconds of decoding
+
+
+def prepare_state(state: str, url: str) -> tuple[list, list]:
+    """Bring the server into `state`: (open HTTP requests as connections, half-sent bodies as sockets)."""
+    health = lambda: get(url, "/health")[1]  # noqa: E731
+    if state == "idle":
+        return [], []
+    if state == "streaming":
+        connections = [send(url, "/v1/chat/completions", {**LONG, "stream": True})]
+        wait_until(lambda: health()["running"] == 1)
+        return connections, []
+    if state == "full batch and queue":  # 4 running (2 streams), 4 waiting (2 streams)
+        connections = [send(url, "/v1/chat/completions", {**LONG, "stream": i % 2 == 0}) for i in range(8)]
+        wait_until(lambda: health()["running"] == 4 and health()["queued"] == 4)
+        return connections, []
+    if state == "dropped clients":  # a running request and a waiting one whose clients left, one running stays
+        dropped = [send(url, "/v1/chat/completions", LONG) for _ in range(5)]
+        wait_until(lambda: health()["queued"] == 1)
+        dropped[0].close()
+        dropped[-1].close()
+        wait_until(lambda: health()["cancelled"] == 2)
+        return dropped[1:-1], []
+    if state == "after a fuzz run":  # malformed requests, oversized bodies, streams dropped after a chunk
+        for body in [b'{"messages": [', b"[]", b'{"prompt": "w1", "tempera2ure": 0}', b"\xff",
+                     json.dumps({"prompt": "w" * (5 << 20)}).encode()] * 4:
+            status, _ = raw(url, "POST", "/v1/completions", body)
+            assert 400 <= status < 500
+        for _ in range(4):
+            dropped = send(url, "/v1/chat/completions", {**LONG, "stream": True})
+            dropped.getresponse().read(64)
+            dropped.close()
+        wait_until(lambda: health()["running"] == 0)
+        connections = [send(url, "/v1/chat/completions", {**LONG, "stream": i == 0}) for i in range(2)]
+        wait_until(lambda: health()["running"] == 2)
+        return connections, []
+    if state == "half-sent body":
+        connections = [send(url, "/v1/chat/completions", LONG)]
+        wait_until(lambda: health()["running"] == 1)
+        return connections, [half_sent_body(url)]
+    raise ValueError(state)
+
+
+SIGTERM_STATES = ["idle", "streaming", "full batch and queue", "dropped clients", "after a fuzz run",
+                  "half-sent body"]
+
+
+QUICK_STATES = ("full batch and queue", "half-sent body")  # the others are marked slow
+
+
+@pytest.mark.parametrize("state, signal_number", [
+    *(pytest.param(state, signal.SIGTERM, marks=[] if state in QUICK_STATES else [pytest.mark.slow],
+                   id=f"{state}-SIGTERM") for state in SIGTERM_STATES),
+    pytest.param("full batch and queue", signal.SIGINT, id="full batch and queue-SIGINT"),  # Ctrl-C: the same stop
+])
+def test_a_stop_signal_answers_every_client_and_exits_0(folders, tmp_path, state, signal_number):
+    """Whatever the clients are doing, the stop answers each of them at once, `shutting_down` in OpenAI's schema
+    (a stream in its last event before [DONE], any other request as a 503: never uvicorn's plain-text 500), nothing
+    waits out uvicorn's grace period, and the process exits 0."""
+    process, url = start_server(folders, tmp_path / "server.log", max_batch_size=4)
+    try:
+        connections, half_sent = prepare_state(state, url)
+        process.send_signal(signal_number)
+        with ThreadPoolExecutor(max(1, len(connections) + len(half_sent))) as pool:
+            answers = [pool.submit(answer, connection) for connection in connections]
+            raw_answers = [pool.submit(read_raw, connection) for connection in half_sent]
+            answers = [future.result(timeout=30) for future in answers]
+            raw_answers = [future.result(timeout=30) for future in raw_answers]
+        process.wait(timeout=30)
     finally:
         stop_server(process)
-    # A clean shutdown, after which uvicorn re-raises the signal so that the exit status tells it was SIGTERM.
     log = (tmp_path / "server.log").read_text()
-    assert process.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log, log
-    # Both were told why, in OpenAI's schema: the stream in its last event, the waiting request as a 503.
-    assert stream_status == 200
-    stream_events = [event.removeprefix("data: ") for event in stream_text.split("\n\n") if event]
-    assert stream_events[-1] == "[DONE]"
-    assert json.loads(stream_events[-2])["error"]["code"] == "shutting_down"
-    assert waiting_status == 503 and json.loads(waiting_text)["error"]["code"] == "shutting_down"
+    assert process.returncode == 0, log
+    assert "Application shutdown complete" in log, log
+    assert "timeout graceful shutdown exceeded" not in log and "Traceback" not in log, log
+    for status, text in answers + raw_answers:
+        assert status in (200, 503), text
+        if text.startswith("data: "):
+            assert stream_ending(text) == ("[DONE]", "shutting_down"), text
+        else:
+            assert json.loads(text)["error"]["code"] == "shutting_down", text
