@@ -129,17 +129,11 @@ def test_a_corrupted_prepared_target_stops_generate_in_one_line(tmp_path, monkey
 
 
 def test_a_shipped_draft_is_bfloat16_on_disk_and_float32_when_loaded(draft_folder, tmp_path):
-    import importlib.util
-    from pathlib import Path
-
     from safetensors import safe_open
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ship_draft.py"
-    spec = importlib.util.spec_from_file_location("ship_draft", path)
-    ship_draft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ship_draft)
+    from flashdraft.train.drafts import ship_draft
     (draft_folder / "README.md").write_text("card\n")
-    shipped = ship_draft.ship(draft_folder, tmp_path / "shipped")
+    shipped = ship_draft(draft_folder, tmp_path / "shipped")
     with safe_open(str(shipped / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
     assert (shipped / "README.md").read_text() == "card\n"
@@ -149,4 +143,4 @@ def test_a_shipped_draft_is_bfloat16_on_disk_and_float32_when_loaded(draft_folde
         expected = a.to(torch.bfloat16).to(a.dtype) if a.is_floating_point() else a
         assert torch.equal(b, expected), name
     with pytest.raises(ValueError, match="is the source folder"):
-        ship_draft.ship(shipped, shipped)
+        ship_draft(shipped, shipped)

@@ -9,24 +9,27 @@ set -euo pipefail
 what="${1:?usage: bash benchmarks/gpu/train.sh stash|train OUT [SECONDS]}"
 out="${2:?usage: bash benchmarks/gpu/train.sh stash|train OUT [SECONDS]}"
 cd "$(dirname "$0")/../.."
-store=/root/flashdraft-pack
+store="$HOME/flashdraft-pack"
 mkdir -p "$store" "$out"
 cp .gpu/target/* "$store"/ 2>/dev/null || true  # none on a later call of the same machine: the stash holds them
 if ls .whl/*.whl >/dev/null 2>&1; then  # the transformers release flashdraft pins, once, outside the repository
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/flashdraft-site \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$HOME/flashdraft-site" \
         .whl/*.whl
 fi
 ls -l "$store"
 [ "$what" = stash ] && exit 0
 seconds="${3:?train needs SECONDS}"
-export PYTHONPATH="/root/flashdraft-site:$PWD" PYTHONUNBUFFERED=1
-python3 scripts/target_pack.py unpack "$store" /root/flashdraft-target 2>&1 | tee "$out/train.log"
-rm -rf /root/fd-out  # a run of another length cannot resume this one's checkpoints
+export PYTHONPATH="$HOME/flashdraft-site:$PWD" PYTHONUNBUFFERED=1
+python3 scripts/target_pack.py unpack "$store" "$HOME/flashdraft-target" 2>&1 | tee "$out/train.log"
+rm -rf "$HOME/fd-out"  # a run of another length cannot resume this one's checkpoints
 # The inner limit leaves the call time to pack what was written, also when training overruns.
-timeout "$((seconds + 45))" python3 scripts/train_from_corpus.py train /root/fd-out --target /root/flashdraft-target \
-    --init-draft flashdraft/drafts/smollm2-135m-instruct \
-    --heldout-ids corpus/smollm2-135m-instruct/draws/heldout-v15.txt --seconds "$seconds" "${@:4}" \
+# The shipped drafts' recipe (docs/training.md): flashdraft train --corpus with the options below.
+timeout "$((seconds + 45))" python3 -m flashdraft.cli train --corpus corpus/smollm2-135m-instruct -o "$HOME/fd-out" \
+    --target "$HOME/flashdraft-target" --init-draft flashdraft/drafts/smollm2-135m-instruct \
+    --heldout-ids corpus/smollm2-135m-instruct/draws/heldout-v15.txt --seconds "$seconds" \
+    --epochs 4 --batch-size 16 --grad-accum 2 --num-anchors 128 --loss-weights acceptance --compute-dtype bfloat16 \
+    --checkpoint-every 1000000 --keep-checkpoints 1 "${@:4}" \
     2>&1 | grep -v "Writing model shards" | tee -a "$out/train.log" || echo "training stopped: status $?" | tee -a "$out/train.log"
-cp /root/fd-out/work/run/metrics.jsonl "$out/" 2>/dev/null || true
-(cd /root/fd-out && tar cf - $(ls -d final mean step-* reached.txt 2>/dev/null)) | split -b 15M - "$out/drafts.tar."
+cp "$HOME/fd-out/work/run/metrics.jsonl" "$out/" 2>/dev/null || true
+(cd "$HOME/fd-out" && tar cf - $(ls -d final mean step-* reached.txt 2>/dev/null)) | split -b 15M - "$out/drafts.tar."
 ls -l "$out"

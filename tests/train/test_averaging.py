@@ -1,14 +1,13 @@
 """Weight averaging of drafts: the exact mean of the sources' parameters, from folders and trainer checkpoints, the
 result's config and vocabulary its template's, and clear errors for drafts that cannot be averaged."""
 
-import importlib.util
-import sys
-from pathlib import Path
+import re
 
 import pytest
 import torch
 
 from flashdraft import DFlashDraftModel
+from flashdraft.cli import main
 from flashdraft.train.averaging import average_drafts
 from flashdraft.train.features import OnlineFeatures
 from flashdraft.train.trainer import CHECKPOINT_DIR, Trainer
@@ -71,22 +70,14 @@ def test_drafts_of_another_shape_are_refused(tmp_path):
         average_drafts(one_layer, [])
 
 
-def test_the_script_writes_a_loadable_averaged_folder(tmp_path, monkeypatch, capsys):
-    path = Path(__file__).resolve().parents[2] / "scripts" / "average_drafts.py"
-    spec = importlib.util.spec_from_file_location("average_drafts", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+def test_the_command_writes_a_loadable_averaged_folder(tmp_path, capsys):
     _, a = target_and_draft(draft_seed=1)
     _, b = target_and_draft(draft_seed=2)
     folders = [saved(a, tmp_path / "a"), saved(b, tmp_path / "b")]
-    monkeypatch.setattr(sys, "argv", ["average_drafts.py", str(tmp_path / "out"), *map(str, folders),
-                                      "--like", str(folders[0])])
-    script.main()
+    assert main(["draft", "average", str(tmp_path / "out"), *map(str, folders), "--like", str(folders[0])]) == 0
     assert "averaged 2 drafts into" in capsys.readouterr().out
     out = DFlashDraftModel.from_pretrained(tmp_path / "out")
     expected = (a.fc.weight + b.fc.weight) / 2
     assert torch.allclose(out.fc.weight, expected, atol=1e-7)
-    monkeypatch.setattr(sys, "argv", ["average_drafts.py", str(tmp_path / "bad"), str(tmp_path / "missing"),
-                                      "--like", str(folders[0])])
-    with pytest.raises(SystemExit, match="average_drafts: .*missing"):
-        script.main()
+    assert main(["draft", "average", str(tmp_path / "bad"), str(tmp_path / "missing"), "--like", str(folders[0])]) == 2
+    assert re.search("flashdraft draft: error: .*missing", capsys.readouterr().err)

@@ -1,7 +1,7 @@
 """Throughput of draft training on a real target: target feature extraction (tokens/s) and training steps
 (blocks/s, sequence tokens/s) with the full or a reduced drafting vocabulary, hard labels or top-k distillation.
 
-    python scripts/train_throughput.py --target smollm2-135m-instruct --sequences 24 --steps 6
+    python benchmarks/train_throughput.py --target smollm2-135m-instruct --sequences 24 --steps 6
 
 The sequences are real prompts with their existing responses (a decontaminated seeded mix of the built-in
 sources), labelled by the target under teacher forcing with its top-k (not timed here: see

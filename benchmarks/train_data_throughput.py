@@ -1,7 +1,7 @@
 """Throughput of the training-data stages on a real target: regeneration (the target writes responses) and
 teacher-forced labelling (the target labels existing responses in one forward), in response tokens per second.
 
-    python scripts/train_data_throughput.py --target smollm2-135m-instruct --prompts 32
+    python benchmarks/train_data_throughput.py --target smollm2-135m-instruct --prompts 32
 
 Both stages read the same decontaminated, seeded mix of built-in prompts; the labelling stage uses the prompts of
 that mix that carry an existing response (ShareGPT replies, CodeI/O reference code). Records go to a temporary

@@ -1,6 +1,6 @@
 """Sizes, load times and plain decode speed of the registry's target models on this machine.
 
-    python scripts/models_load_decode.py smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
+    python benchmarks/models_load_decode.py smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
 
 For each model: the GGUF and converted-folder sizes; the first `prepare` (verify + dequantize + save, into a fresh
 temporary cache unless --home is given); a later `load_target` from the prepared folder; and plain greedy decoding

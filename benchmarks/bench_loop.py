@@ -1,7 +1,7 @@
 """Overhead of flashdraft's decoding loop: `block_size=1` (plain autoregressive decoding through the
 speculative loop) against the target's own `generate(do_sample=False)`, interleaved prompt by prompt.
 
-    python scripts/bench_loop.py --target smollm2-135m-instruct --prompts 8 --max-new-tokens 128
+    python benchmarks/bench_loop.py --target smollm2-135m-instruct --prompts 8 --max-new-tokens 128
 
 Prints a Markdown table; the ratio is the loop's decode speed over `generate`'s (>= 0.95 is the goal).
 """

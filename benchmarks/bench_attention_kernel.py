@@ -2,8 +2,8 @@
 heads, 3 key/value heads, head_dim 64): a step of n queries over a cache, causal within the step, on one thread and
 on all of torch's, in alternating turns; least time of each.
 
-    python scripts/bench_attention_kernel.py
-    python scripts/bench_attention_kernel.py --queries 1 4 8 16 --keys 129 512 2048
+    python benchmarks/bench_attention_kernel.py
+    python benchmarks/bench_attention_kernel.py --queries 1 4 8 16 --keys 129 512 2048
 
 Like the CLI, it chooses how torch's threads wait before torch loads. Pause background work first: it times.
 """

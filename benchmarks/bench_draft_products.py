@@ -3,7 +3,7 @@
 threads. Twelve random weights of each shape are multiplied in turn, so that weights stream from memory as in a
 pass; least time per product over 30 rounds.
 
-    python scripts/bench_draft_products.py
+    python benchmarks/bench_draft_products.py
 
 Like the CLI, it chooses how torch's threads wait before torch loads. Pause background work first: it times.
 """

@@ -1,6 +1,6 @@
 """The cost of one training micro-step of the shipped recipe, by precision and attention layout.
 
-    python scripts/bench_train_step.py --contexts 400 700 1000 --repeats 4
+    python benchmarks/bench_train_step.py --contexts 400 700 1000 --repeats 4
 
 One sequence's step as `flashdraft train` runs it with the shipped draft's settings: a 2-layer draft for the default
 target, 128 blocks of 8 over a context of C positions (anchors drawn at random, sorted), the target's features,

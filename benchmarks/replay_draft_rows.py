@@ -1,7 +1,7 @@
 """What drafting fewer block positions costs in acceptance: tau by replay at small round sizes, with the draft run
 on its whole block (as the decoding loop runs it) against a block cut to the round's size (a cheaper pass).
 
-    python scripts/replay_draft_rows.py --datasets humaneval gsm8k mt-bench --num-samples 30 --max-new-tokens 256
+    python benchmarks/replay_draft_rows.py --datasets humaneval gsm8k mt-bench --num-samples 30 --max-new-tokens 256
 
 The target's greedy answers come from the same cache as `flashdraft bench --replay` (same prompts, same seed).
 """

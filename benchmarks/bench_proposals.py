@@ -2,8 +2,8 @@
 shipped draft (hybrid proposals, the default) and with `proposals="lookup"`, in turns prompt by prompt (a rotating
 order), greedy, with the chat template and the target's stop tokens.
 
-    python scripts/bench_proposals.py --dataset humaneval --prompts 6 --max-new-tokens 128
-    python scripts/bench_proposals.py --near-best 0.97 0.93   # the hybrid's planner band, each value a method
+    python benchmarks/bench_proposals.py --dataset humaneval --prompts 6 --max-new-tokens 128
+    python benchmarks/bench_proposals.py --near-best 0.97 0.93   # the hybrid's planner band, each value a method
 
 `flashdraft bench` compares against transformers' `generate`, which does not run on flashdraft's CPU engine; this
 isolates what the proposals add on top of it. Like the CLI, it chooses how torch's threads wait before torch

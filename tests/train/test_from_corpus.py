@@ -1,0 +1,113 @@
+"""Training from the committed corpus (`flashdraft train --corpus`, `flashdraft.train.from_corpus`) and measuring
+drafts on its held-out records (`flashdraft draft evaluate`), on tiny models: the way the shipped drafts since v15
+were made, kept as a contract (budget, held-out and excluded records, snapshots, the mean with the start)."""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from flashdraft import DFlashDraftModel
+from flashdraft.cli import main
+from flashdraft.train.corpus import export_records
+from flashdraft.train.records import TrainingRecord
+from train.test_corpus import write_folder
+from train.tiny_training import MASK, next_token, one_thread  # noqa: F401
+
+from tiny import tiny_target, tiny_tokenizer
+
+# The shipped drafts' recipe where it differs from `flashdraft train`'s defaults (the test's own settings follow).
+RECIPE = ["--loss-weights", "acceptance", "--compute-dtype", "bfloat16", "--checkpoint-every", "1000000",
+          "--keep-checkpoints", "1"]
+
+
+def target_folder(path: Path) -> Path:
+    target = tiny_target("llama", num_layers=4)
+    target.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def corpus_folder(path: Path, count: int = 24) -> Path:
+    records = []
+    for i in range(count):
+        prompt = [5 + (i * 3 + k) % 20 for k in range(4)]
+        response = [25 + i % 30]
+        while len(response) < 14:
+            response.append(5 + (next_token(response[-1]) - 5) % 55)
+        records.append(TrainingRecord(id=f"pattern:{i}", source="pattern", input_ids=prompt + response,
+                                      response_start=len(prompt)))
+    export_records(write_folder(path.parent / f"{path.name}-work", records), path, target="tiny", command="test")
+    return path
+
+
+def draft_folder(path: Path, vocab=range(40, 70)) -> Path:
+    target = tiny_target("llama", num_layers=4)
+    torch.manual_seed(3)
+    draft = DFlashDraftModel.for_target(target.config, num_layers=1, block_size=4, mask_token_id=MASK,
+                                        target_layer_ids=[0, 1])
+    draft.set_draft_vocab(list(vocab))
+    draft.save_pretrained(path)
+    return path
+
+
+def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_and_writes_snapshots(
+        tmp_path, capsys):
+    source, corpus = target_folder(tmp_path / "target"), corpus_folder(tmp_path / "corpus")
+    start = draft_folder(tmp_path / "draft")
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("pattern:3\npattern:17\npattern:20\npattern:9\n")
+    common = ["--target", str(source), "--corpus", str(corpus), "--heldout-ids", str(heldout), "--device", "cpu"]
+    assert main(["train", "-o", str(tmp_path / "out"), *common, *RECIPE, "--init-draft", str(start), "--seconds", "60",
+                 "--reserve", "0", "--epochs", "2", "--batch-size", "2", "--grad-accum", "2", "--num-anchors", "4",
+                 "--lr", "3e-3", "--snapshots", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    # 20 training records in global batches of 4: 5 steps an epoch, and the budget holds both epochs.
+    assert "20 training records, 4 held out; global batch 4, 5 steps an epoch; 10 steps (" in printed
+    assert "snapshots at [5]" in printed
+    card = json.loads((tmp_path / "out" / "float32" / "training.json").read_text())
+    assert card["data"] == {"pattern": {"sequences": 20, "tokens": 20 * 14}}
+    assert card["summary"]["steps"] == 10 and card["settings"]["global batch (sequences)"] == 4
+    assert card["command"].startswith("flashdraft train --target ") and "--corpus" in card["command"]
+    final = DFlashDraftModel.from_pretrained(tmp_path / "out" / "final")
+    snapshot = DFlashDraftModel.from_pretrained(tmp_path / "out" / "step-5")
+    first = DFlashDraftModel.from_pretrained(start)
+    assert json.loads((tmp_path / "out" / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert torch.equal(final.draft_vocab_ids, torch.arange(40, 70))
+    assert not torch.equal(final.fc.weight, first.fc.weight.to(torch.bfloat16).float())
+    assert not torch.equal(final.fc.weight, snapshot.fc.weight)
+    mean = DFlashDraftModel.from_pretrained(tmp_path / "out" / "mean")
+    exact = (first.fc.weight + DFlashDraftModel.from_pretrained(tmp_path / "out" / "float32").fc.weight) / 2
+    assert torch.equal(mean.fc.weight, exact.to(torch.bfloat16).float())
+    # Two whole epochs: every training record was reached, none of the held-out ones.
+    reached = (tmp_path / "out" / "reached.txt").read_text().splitlines()
+    assert reached == sorted(f"pattern:{i}" for i in range(24) if i not in (3, 9, 17, 20))
+
+    assert main(["draft", "evaluate", *common, "--prompts", "2", "--max-new-tokens", "8", str(start),
+                 str(tmp_path / "out" / "final")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{start}: tau ") and "held-out loss" in lines[1]
+    losses = [float(line.split("held-out loss ")[1].split(",")[0]) for line in lines]
+    assert losses[1] < losses[0]  # training on the pattern lowers the loss on held-out records of the same pattern
+
+    excluded = tmp_path / "seen.txt"
+    excluded.write_text("\n".join(f"pattern:{i}" for i in range(10)) + "\n")  # 8 of them training records
+    assert main(["train", "-o", str(tmp_path / "again"), *common, *RECIPE,
+                 "--init-draft", str(tmp_path / "out" / "final"), "--max-steps", "2", "--seed", "1", "--loss-chunk",
+                 "8", "--batch-size", "2", "--grad-accum", "2", "--num-anchors", "4", "--exclude-ids", str(excluded),
+                 "--snapshots", ""]) == 0
+    assert "12 training records, 4 held out; global batch 4, 3 steps an epoch; 2 steps (given); snapshots at []" in (
+        capsys.readouterr().out)
+    assert json.loads((tmp_path / "again" / "float32" / "training.json").read_text())["summary"]["steps"] == 2
+    # 2 steps of 4 of the 12 records left reach 8 of them, sorted, and no excluded or held-out one.
+    reached = (tmp_path / "again" / "reached.txt").read_text().splitlines()
+    allowed = {f"pattern:{i}" for i in range(10, 24)} - {"pattern:17", "pattern:20"}
+    assert len(set(reached)) == 8 and set(reached) <= allowed and reached == sorted(reached)
+    assert main(["train", "-o", str(tmp_path / "none"), *common, "--init-draft", str(start)]) == 2
+    assert "needs --seconds (a time budget) or --max-steps" in capsys.readouterr().err
+
+    heldout.write_text("pattern:99\n")
+    assert main(["draft", "evaluate", *common, str(start)]) == 2
+    assert re.search("1 held-out ids are not in .*, e.g. pattern:99: the list belongs to another",
+                     capsys.readouterr().err)
