@@ -80,3 +80,54 @@ def test_the_check_sees_lazy_and_relative_imports():
     assert "flashdraft.target" in found  # `from ..target import TargetModel` in train/regenerate.py
     assert layer("flashdraft.train.regenerate") == "train" and layer("flashdraft.target") == "core"
     assert layer("flashdraft.evaluation") == "evaluation"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every flashdraft module -> the flashdraft modules it imports (at the top or inside a function)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        graph[name] = {target for target in imported_modules(path) if target != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm): each is an import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in graph.get(module, ()):
+            if imported not in graph:
+                continue
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    """Inside a subpackage too, lazy imports included: shared code moves down instead of being imported lazily."""
+    cycles = import_cycles(module_graph())
+    assert cycles == [], f"modules on an import cycle: {cycles}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
