@@ -29,10 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from threadpoolctl import ThreadpoolController
 from torch import nn
 
-from . import native
+from . import native, quantized
 from .draft import DraftCache
 from .files import (
     BUSY_CORES,
@@ -464,10 +466,28 @@ def native_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
             and os.environ.get("FLASHDRAFT_NATIVE_ATTENTION", "1") != "0")
 
 
+# How the target's products are computed (FLASHDRAFT_ARITHMETIC, `flashdraft generate --arithmetic`): float32, the
+# same as transformers' forward; int8, the GGUF checkpoint's own blocks against activations rounded to 8-bit codes
+# per 32 values (`quantized`, `csrc/block_gemm.c`), what llama.cpp computes; auto, int8 where the target has GGUF
+# blocks.
+ARITHMETICS = ("auto", "float32", "int8")
+
+
+def arithmetic_setting() -> str:
+    return os.environ.get("FLASHDRAFT_ARITHMETIC", "auto")
+
+
+def native_kernels(parallel: bool) -> KernelChoice:
+    """Every product on the native kernel, shared among threads or not: int8 arithmetic's choice, which has no
+    other kernels to measure against."""
+    name = "native-parallel" if parallel else "native"
+    return KernelChoice({kind: dict.fromkeys(KERNEL_ROWS, name) for kind in (*LAYER_KINDS, "head")})
+
+
 class Engine:
     """Runs the forward of a supported model (`unsupported_reason` is None) on its own weights."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, arithmetic: str | None = None):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the CPU engine cannot run this model: {reason}")
@@ -483,8 +503,11 @@ class Engine:
         self.norm = base.norm.weight
         self.rotary = RotaryTables(base.rotary_emb, self.head_dim)
         self.layers = [_layer_weights(layer, self._fuse, self.num_heads, self.kv_heads) for layer in base.layers]
-        self.forms = {id(w): WeightForms.of(w) for w in self._weights()}
+        self.arithmetic, self.blocks = self._block_weights(model, arithmetic or arithmetic_setting())
+        self.forms = {id(w): WeightForms.of(w) for w in self._weights() if id(w) not in self.blocks}
         self.kernels = KernelChoice({})
+        if self.arithmetic == "int8":  # every product on the native kernels, on every thread there is
+            self.kernels = native_kernels(torch.get_num_threads() > 1)
         self.native_attention = native_attention_fits(self.num_heads, self.kv_heads, self.head_dim)
         # Each layer one native call for the few rows of a decoding step, where every product runs on the native
         # kernel: ~30 operators' overhead a layer saved (BENCHMARKS.md, "A whole layer in one native call").
@@ -492,9 +515,62 @@ class Engine:
         if native.available() and self.native_attention:
             self.native_layers = [native.pack_layer(
                 layer.input_norm, layer.post_norm, layer.qk_norm, layer.qkv_bias,
-                *(w if self.forms[id(w)].packed is None else self.forms[id(w)].packed for w in _layer_products(layer)),
+                *(self._native_weight(w) for w in _layer_products(layer)),
                 self.num_heads, self.kv_heads, self.head_dim) for layer in self.layers]
         self.use_native_layers = True  # False: each layer operator by operator, for comparisons
+
+    def _native_weight(self, weight: torch.Tensor):
+        """A product's weight as the native layer reads it: its GGUF blocks (int8 arithmetic), else its exactly
+        packed form, else the float32 tensor."""
+        if id(weight) in self.blocks:
+            return self.blocks[id(weight)]
+        packed = self.forms[id(weight)].packed
+        return weight if packed is None else packed
+
+    def _block_weights(self, model: nn.Module, choice: str) -> tuple[str, dict[int, quantized.FusedBlocks]]:
+        """The arithmetic this engine runs and, for int8, its products' GGUF blocks by id of the engine's weight.
+        "auto" is int8 where the target comes with GGUF blocks (a registry target) and the native kernels build,
+        else float32; "int8" fails, saying why, where it cannot run. A product whose GGUF type has no int8 kernel
+        stays float32, said in one line."""
+        if choice not in ARITHMETICS:
+            raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}, got {choice!r}")
+        if choice == "float32":
+            return "float32", {}
+        folder = Path(getattr(model, "name_or_path", "") or "")
+        path = quantized.ensure_blocks_file(folder) if native.available() and folder.is_dir() else None
+        if path is None:
+            if choice == "int8":
+                why = (f"the native kernels are unavailable ({native.unavailable_reason()})" if not native.available()
+                       else f"{folder} holds no GGUF blocks ({quantized.BLOCKS_FILE}: registry targets have them)")
+                raise ValueError(f"int8 arithmetic cannot run this target: {why}; use float32")
+            return "float32", {}
+        blocks = quantized.GGUFBlocks(path)
+        llama = self.config.model_type == "llama"  # llama.cpp permutes a Llama's q and k rows
+        weights: dict[int, quantized.FusedBlocks] = {}
+        left: list[str] = []
+        for index, (module, layer) in enumerate(zip(model.base_model.layers, self.layers)):
+            attention, mlp = module.self_attn, module.mlp
+            sources = {"qkv": ((attention.q_proj, attention.k_proj, attention.v_proj),
+                               (self.num_heads, self.kv_heads, None)),
+                       "o": ((attention.o_proj,), (None,)), "gate_up": ((mlp.gate_proj, mlp.up_proj), (None, None)),
+                       "down": ((mlp.down_proj,), (None,))}
+            for kind, (linears, heads) in sources.items():
+                names = [f"blk.{index}.{tensor}.weight" for tensor in quantized.LAYER_TENSORS[kind]]
+                fused = quantized.fused_blocks(blocks, names, [linear.weight for linear in linears],
+                                               heads if llama else (None,) * len(linears))
+                if isinstance(fused, str):
+                    left.append(fused)
+                else:
+                    weights[id(getattr(layer, kind))] = fused
+        head = "output.weight" if "output.weight" in blocks.meta else "token_embd.weight"  # tied: the embedding
+        fused = quantized.fused_blocks(blocks, [head], [self.head_weight], [None])
+        if isinstance(fused, str):
+            left.append(fused)
+        else:
+            weights[id(self.head_weight)] = fused
+        if left:
+            print(f"int8 arithmetic: {len(left)} product(s) stay float32 ({left[0]})", file=sys.stderr)
+        return "int8", weights
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this engine still runs on `model`'s weights (not so after e.g. `model.to(dtype)`)."""
@@ -548,7 +624,18 @@ class Engine:
         return EngineCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, by_position)
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.kernels.product(kind, x.shape[0])(x, weight, self.forms[id(weight)])
+        product = self.kernels.product(kind, x.shape[0])
+        if id(weight) in self.blocks:
+            return quantized.block_gemm(x, self.blocks[id(weight)], parallel=product is _native_parallel)
+        return product(x, weight, self.forms[id(weight)])
+
+    def max_native_rows(self, threads: bool) -> int:
+        """The most rows of a step whose attention runs on the native kernel. With int8 arithmetic, every step a
+        verification takes: so each token of a block gets exactly what a one-token step gives it (the native
+        attention computes each query alone), and decoding with speculation stays what plain decoding gives."""
+        if self.arithmetic == "int8":
+            return max(KERNEL_ROWS)
+        return NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"]
 
     @torch.no_grad()
     def forward(
@@ -587,13 +674,13 @@ class Engine:
         collected = []
         threads = torch.get_num_threads() > 1
         native_attention = (self.native_attention and start is not None and cache.padding is None
-                            and n <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"])
+                            and n <= self.max_native_rows(threads))
         parallel = threads and attention_key_reads(batch, n, heads, kv_heads, end) >= PARALLEL_KEY_READS
         h = F.embedding(input_ids, self.embed).view(rows, -1)
         # Each layer one native call: one sequence, or a batch's decoding steps (a left-padded row's keys begin
         # after its padding, so each row gets what it gets alone), every product on the native kernel.
         native_layers = (self.native_layers is not None and self.use_native_layers and start is not None
-                         and n <= NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"]
+                         and n <= self.max_native_rows(threads)
                          and (cache.padding is None or (padding is None and cache.leading_padding is not None))
                          and all(self.kernels.product(kind, rows) in NATIVE_PRODUCTS for kind in LAYER_KINDS))
         if native_layers:

@@ -26,7 +26,8 @@ import torch
 
 from .files import cache_home
 
-SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.c", "block_gemm.c"))
+HEADERS = (Path(__file__).parent / "csrc" / "kernels.h",)
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 OPENMP_FLAG = "-fopenmp"  # tried first, for `small_gemm_parallel`; without it that is the serial kernel
 COMPILE_SECONDS = 120
@@ -59,7 +60,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"the C compiler {compiler} does not run: {error}", None
     identity = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(), _cpu_description()])
+        "\0".join([*(path.read_text() for path in (*SOURCES, *HEADERS)), compiler, version, " ".join(FLAGS),
+                   platform.machine(), _cpu_description()])
         .encode()
     ).hexdigest()[:20]
     library = cache_home() / "native" / f"small_gemm-{identity}.so"
@@ -70,15 +72,15 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
             built = Path(scratch) / library.name
             for flags in ((*FLAGS, OPENMP_FLAG), FLAGS):
                 try:
-                    result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)],
+                    result = subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES)],
                                             capture_output=True, text=True, timeout=COMPILE_SECONDS)
                 except (OSError, subprocess.SubprocessError) as error:
-                    return None, f"compiling {SOURCE.name} failed: {error}", None
+                    return None, f"compiling the native kernels failed: {error}", None
                 if result.returncode == 0:
                     break
             else:
                 last = (result.stderr.strip().splitlines() or ["no message"])[-1]
-                return None, f"compiling {SOURCE.name} with {compiler} failed: {last}", None
+                return None, f"compiling the native kernels with {compiler} failed: {last}", None
             built.replace(library)
     try:
         loaded = ctypes.CDLL(str(library))
@@ -116,7 +118,19 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
                                    + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int]
                                    + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 3)
     loaded.draft_block.restype = None
+    loaded.block_gemm.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2
+                                  + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_int] * 2)
+    loaded.block_gemm.restype = None
+    loaded.block_gemm_version.restype = ctypes.c_char_p
     return loaded, None, identity
+
+
+def library() -> ctypes.CDLL:
+    """The loaded native library, or a RuntimeError saying why there is none."""
+    loaded = _build()[0]
+    if loaded is None:
+        raise RuntimeError(f"the native kernel is unavailable: {unavailable_reason()}")
+    return loaded
 
 
 def available() -> bool:
@@ -373,7 +387,7 @@ def int8_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
 
 class _LayerWeight(ctypes.Structure):
     _fields_ = [("format", ctypes.c_int), ("data", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("extra", ctypes.c_void_p), ("rows", ctypes.c_long)]
+                ("extra", ctypes.c_void_p), ("rows", ctypes.c_long), ("parts", ctypes.c_long)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -382,7 +396,8 @@ class _DecoderLayer(ctypes.Structure):
                 ("gate_up", _LayerWeight), ("down", _LayerWeight)]
 
 
-LAYER_FORMATS = {"float32": 0, **FORMATS, "int8": 4}  # a product's weight in `decoder_layer` (csrc: layer_weight)
+# a product's weight in `decoder_layer` (csrc: layer_weight)
+LAYER_FORMATS = {"float32": 0, **FORMATS, "int8": 4, "blocks": 5}
 
 
 @dataclass
@@ -400,7 +415,11 @@ class DecoderLayer:
 
 def _layer_weight(what: str, weight: torch.Tensor | PackedWeight, expected: tuple[int, int]) -> _LayerWeight:
     """A product's weight as the native layer kernels read it (csrc: layer_weight), checked against its shape."""
-    if isinstance(weight, PackedWeight):
+    if getattr(weight, "format", None) == "blocks":  # GGUF blocks for int8 arithmetic (`quantized.FusedBlocks`)
+        table = _LayerWeight(LAYER_FORMATS["blocks"], ctypes.addressof(weight.tables), None, None, weight.shape[0],
+                             len(weight.parts))
+        form, shape, usable = "blocks", tuple(weight.shape), True
+    elif isinstance(weight, PackedWeight):
         form, shape = weight.format, tuple(weight.shape)
         usable = form != "int8" or (int8_dot_available() and not shape[1] % INT8_K_MULTIPLE)
         extra = weight.row_sums if form == "int8" else weight.minimum

@@ -209,7 +209,8 @@ class TargetModel:
         engine = getattr(self.model, _ENGINE, None)
         if engine is None or not engine.matches(self.model):
             engine = Engine(self.model)
-            engine.kernels = cached_kernels(engine)
+            if engine.arithmetic == "float32":  # int8 runs every product on the native kernels: nothing to choose
+                engine.kernels = cached_kernels(engine)
             setattr(self.model, _ENGINE, engine)
         return engine
 

@@ -19,6 +19,8 @@
 #include <omp.h>
 #endif
 
+#include "kernels.h"
+
 #define LANES 16
 #define TILE_ROWS 4 /* weight rows per tile, and input rows per tile */
 
@@ -705,14 +707,16 @@ void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, c
  * the first cache position each sequence sees (after its left padding): each row's result is the one it would get
  * alone. Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16 attention. */
 typedef struct { /* a product's weight in a form the kernels read */
-    int format;          /* 0 float32 [rows, K]; BF16, Q8_0, Q4_1 packed exactly; INT8 8-bit codes (a draft's) */
+    int format;          /* 0 float32 [rows, K]; BF16, Q8_0, Q4_1 packed exactly; INT8 8-bit codes (a draft's);
+                            BLOCKS: `parts` GGUF-block weights (block_gemm.c), `data` pointing to them */
     const void *data;
     const float *scale;  /* the packed formats' scales; INT8's one a row */
     const void *extra;   /* Q4_1's minimums; INT8's row sums of codes */
     long rows;
+    long parts;
 } layer_weight;
 
-enum { FLOAT32 = 0, INT8 = 4 };
+enum { FLOAT32 = 0, INT8 = 4, BLOCKS = 5 };
 
 typedef struct {
     const float *input_norm, *post_norm, *qk_norm, *qkv_bias;
@@ -721,6 +725,7 @@ typedef struct {
 
 static void layer_product(const float *x, const layer_weight *w, float *y, long M, long K, int parallel) {
     if (w->format == FLOAT32) (parallel ? small_gemm_parallel : small_gemm)(x, w->data, y, M, w->rows, K);
+    else if (w->format == BLOCKS) block_gemm(w->data, w->parts, x, M, K, y, w->rows, parallel, 0);
     else if (w->format == INT8) int8_dot_gemm(x, w->data, w->scale, w->extra, y, M, w->rows, K, parallel);
     else (parallel ? packed_gemm_parallel : packed_gemm)(w->format, x, w->data, w->scale, w->extra, y, M, w->rows, K);
 }
