@@ -35,7 +35,9 @@ def setting(default: Any = MISSING, help: str = "", *, shown: str | None = None,
     option's help appends the default (or `shown`, where the value alone does not say it; "{}" stands for the
     value); `cli` may give `type` (of the option's text, when the default's type is not it), `choices`, `short`
     (e.g. -o), `flag` (the option's name, when not the field's), `group` (the help group this
-    field opens, `OPTION_GROUPS`), `repeat` (the option may be given several times) and `metavar`."""
+    field opens, `OPTION_GROUPS`), `repeat` (the option may be given several times), `metavar`, and
+    `result=False` for a setting that changes how a run goes but not what it trains (where files go, threads,
+    checkpoint cadence): every other setting is part of the run's identity (`run_identity`)."""
     metadata = {"help": help, "shown": shown, **cli}
     if isinstance(default, dict | list):  # mutable: every config gets its own copy
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
@@ -67,15 +69,16 @@ class TrainConfig:
     distill_weight: float = setting(
         0.0, "0: hard labels; 1: cross-entropy to the target's stored top-k probabilities (needs --store-top-k); "
         "between: a mix")
-    loss_chunk: int = setting(1024, "block positions per pass through the output head; bounds the logits' memory")
+    loss_chunk: int = setting(1024, "block positions per pass through the output head; bounds the logits' memory",
+                              result=False)
     compute_dtype: str = setting(
         "auto", "precision of the draft's training passes (autocast: its weights, the optimizer and the evaluation's "
         "decoding stay in float32); bfloat16 trains ~1.6x faster on a CPU with native bfloat16 instructions "
         "(avx512_bf16 or AMX) at the same loss, and is slower where they are emulated",
         shown="auto = the target weights' dtype", choices=COMPUTE_DTYPES)
-    checkpoint_every: int = setting(200, "steps between checkpoints")
-    keep_checkpoints: int = setting(2, "newest checkpoints kept")
-    log_every: int = setting(10, "steps between lines of the run's metrics.jsonl")
+    checkpoint_every: int = setting(200, "steps between checkpoints", result=False)
+    keep_checkpoints: int = setting(2, "newest checkpoints kept", result=False)
+    log_every: int = setting(10, "steps between lines of the run's metrics.jsonl", result=False)
     eval_every: int = setting(
         500, "steps between evaluations of tau (greedy decoding replayed on the target's answers); 0 = at the end "
         "only", group="evaluation")
@@ -115,13 +118,14 @@ class PipelineConfig(TrainConfig):
 
     # target and draft
     target: str = setting(DEFAULT_TARGET, "registry name, folder or hub id of the target")
-    output: Path = setting(help="folder to write the trained draft and its model card into", type=Path, short="-o")
+    output: Path = setting(help="folder to write the trained draft and its model card into", type=Path, short="-o",
+                           result=False)
     work_dir: Path | None = setting(
         None, "folder for the cached stages and checkpoints; keep it outside the repository",
-        shown="$FLASHDRAFT_HOME/train/TARGET", type=Path)
+        shown="$FLASHDRAFT_HOME/train/TARGET", type=Path, result=False)
     run_name: str = setting(
         "default", "name of the training run inside the work folder; a run resumes from its last checkpoint, so "
-        "give a new name to train with other settings")
+        "give a new name to train with other settings", result=False)
     draft_layers: int = setting(2, "decoder layers of the draft")
     block_size: int = setting(16, "tokens per block, anchor included; train at the block size you decode with")
     feature_layers: int | tuple[int, ...] = setting(
@@ -149,15 +153,16 @@ class PipelineConfig(TrainConfig):
         "no weight depends on it)", type=Path)
     device: str = setting(
         "auto", "torch device", shown="auto = this process's GPU (cuda:LOCAL_RANK) when there is one, else the CPU",
-        type=str)
+        type=str, result=False)
     dtype: str = setting(
         "auto", "target weights' dtype; the draft trains in float32 under autocast when this is lower",
         shown="auto = bfloat16 on a GPU, float32 on a CPU", choices=("auto", "float32", "bfloat16", "float16"))
     threads: int | None = setting(
         None, "torch CPU threads; on a CPU shared with other jobs use 1, or set OMP_WAIT_POLICY=PASSIVE in the "
         "environment: spinning threads can make training several times slower",
-        shown="torch's choice, one per core", type=int)
-    until: str = setting("train", "stop after this stage", shown="{}, the whole pipeline", choices=STAGES)
+        shown="torch's choice, one per core", type=int, result=False)
+    until: str = setting("train", "stop after this stage", shown="{}, the whole pipeline", choices=STAGES,
+                         result=False)
 
     # prompts
     prompts: tuple[Path, ...] = setting(
@@ -189,8 +194,10 @@ class PipelineConfig(TrainConfig):
         "--distill-weight; 0 = none")
     label_minutes: float | None = setting(
         None, "spend at most this many minutes writing labels in this run, then train on the records written so far "
-        "(a later run continues the labelling; 0 = train on what exists)", shown="no limit", type=float)
-    data_batch_size: int = setting(8, "prompts per target batch in regeneration, labelling and feature extraction")
+        "(a later run continues the labelling; 0 = train on what exists)", shown="no limit", type=float,
+        result=False)  # the records it leaves are part of the run's data, which the trainer checks
+    data_batch_size: int = setting(8, "prompts per target batch in regeneration, labelling and feature extraction",
+                                   result=False)
 
     # features
     features: str = setting(
@@ -353,6 +360,13 @@ def exact_command(config: PipelineConfig) -> str:
         for item in items:
             words += option_words(item, getattr(config, item.name))
     return shlex.join(words)
+
+
+def run_identity(config: PipelineConfig) -> dict[str, str]:
+    """Every setting that changes what a run trains, by option, as the option writes it (None: "unset"): a run
+    folder holds one run, and a command with other values is another run, never the same one resumed."""
+    return {flag(item): "unset" if getattr(config, item.name) is None else format_setting(getattr(config, item.name))
+            for item in fields(config) if item.metadata.get("result", True)}
 
 
 def option_groups() -> dict[str, list[Field]]:

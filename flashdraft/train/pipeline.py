@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..files import cache_home, write_atomic
-from .config import HELDOUT_SET, PipelineConfig, exact_command
+from .config import HELDOUT_SET, PipelineConfig, exact_command, run_identity
 from .prompts import PROMPT_SETTINGS, PROMPTS_FILE
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ __all__ = ["PipelineConfig", "run_pipeline"]
 
 PROMPTS_LOCK = ".prompts.lock"
 DRAFT_VOCAB_FILE = "draft_vocab_ids.json"  # in the run folder: the vocabulary a --draft-vocab-corpus run chose
+RUN_SETTINGS = "run.json"  # in the run folder: the settings of the run its checkpoints belong to (`run_identity`)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -149,6 +150,32 @@ def check_record_folders(config: PipelineConfig, work: Path, model, tokenizer) -
                 f"{', '.join(changed)}; see its meta.json): give this run its own --work-dir, or run it with those "
                 "settings"
             )
+
+
+def check_run_folder(run_dir: Path, config: PipelineConfig) -> None:
+    """Refuse to train into a run folder whose checkpoints belong to a run with other settings: resuming it would
+    continue that run (or fail on its weights) and label the result with this command's settings. One message
+    lists every setting that differs and the two ways out. A folder without checkpoints starts afresh."""
+    from .checkpoints import CHECKPOINT_DIR
+
+    path = run_dir / RUN_SETTINGS
+    if not path.is_file() or not any((run_dir / CHECKPOINT_DIR).glob("step-*.pt")):
+        return
+    try:
+        stored = json.loads(path.read_text())["settings"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{path} is damaged: delete {run_dir} to train this run afresh, or give this run its own "
+                         "--run-name") from None
+    now = run_identity(config)
+    changed = [option for option in dict.fromkeys([*stored, *now]) if stored.get(option) != now.get(option)]
+    if changed:
+        listed = "; ".join(f"{option} {stored.get(option, 'unset')} there, {now.get(option, 'unset')} now"
+                           for option in changed)
+        raise ValueError(
+            f"the run folder {run_dir} holds a run with other settings ({listed}): it cannot be resumed with these. "
+            f"Train this one as a new run with its own --run-name (or --work-dir), or resume that run with its own "
+            f"settings (its command is in {path})"
+        )
 
 
 def stage_prompts(config: PipelineConfig, work: Path, settings: dict):
@@ -344,6 +371,8 @@ def run_pipeline(config: PipelineConfig) -> TrainSummary | None:
             if dist.is_main and config.until == "train" else nullcontext())
     try:
         with lock:
+            if config.until == "train":
+                check_run_folder(run_dir, config)  # before the target loads
             return _run_stages(config, command, train_config, dist, work, output, run_dir, settings)
     finally:
         cleanup()  # leaves the process group, when there is one
@@ -445,6 +474,9 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
         heldout=heldout, eval_prompts=eval_prompt_sets(config, tokenizer, heldout),
         stop_token_ids=stop_token_ids(model, tokenizer), distributed=dist,
     )
+    if dist.is_main:  # the run in this folder is now this command's: a later command must match it to resume it
+        write_atomic(run_dir / RUN_SETTINGS, json.dumps({"settings": run_identity(config), "command": command},
+                                                        indent=2) + "\n")
     summary = trainer.train()
     if dist.is_main:
         counts = data_counts(sequences)

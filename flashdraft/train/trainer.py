@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -87,6 +88,10 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
         return (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _shown(value) -> str:
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 
 class NonFiniteStep(Exception):
@@ -182,16 +187,24 @@ class Trainer:
     # ------------------------------------------------------------------ data order
 
     def _fingerprint(self) -> dict:
-        """What fixes the data order and the loss: a checkpoint from a run with other values cannot be resumed."""
+        """What fixes the data order, the loss, the optimisation and the draft's shape: a checkpoint from a run with
+        other values cannot be resumed (it would continue that run under this one's label)."""
+        config = self.draft.config
         return {
             "sequences": [s.id for s in self.sequences],
             "global_batch": self.global_batch,
             "total_steps": self.total_steps,
-            "num_anchors": self.config.num_anchors,
             "block_size": self.draft.block_size,
-            "seed": self.config.seed,
             # The rows the loss scores: another drafting vocabulary would train the resumed steps on another task.
             "draft_vocab_ids": None if self.vocabulary is None else self.vocabulary.ids.tolist(),
+            # The draft's weights' shapes and what they read.
+            "draft": {"layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+                      "intermediate_size": config.intermediate_size, "target_layer_ids": self.draft.target_layer_ids,
+                      "mask_token_id": self.draft.mask_token_id},
+            # Every trainer setting that changes what the steps train (checkpoint cadence, logging and the loss's
+            # chunking do not; how the global batch is split into micro-batches and processes does not either).
+            **{item.name: getattr(self.config, item.name) for item in fields(TrainConfig)
+               if item.metadata.get("result", True) and item.name not in ("batch_size", "grad_accum")},
         }
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -534,13 +547,16 @@ class Trainer:
         state, damaged = self._newest_intact()
         if state is None:
             return None
-        fingerprint = self._fingerprint()
+        fingerprint, stored = self._fingerprint(), state["fingerprint"]
         # A key absent from the checkpoint was not recorded by the flashdraft version that wrote it: not a difference.
-        changed = sorted(k for k in fingerprint if state["fingerprint"].get(k, fingerprint[k]) != fingerprint[k])
+        changed = sorted(k for k in fingerprint if stored.get(k, fingerprint[k]) != fingerprint[k])
         if changed:
+            shown = [f"{key} {_shown(stored[key])} there, {_shown(fingerprint[key])} now" for key in changed
+                     if key not in ("sequences", "draft_vocab_ids")]  # lists of thousands: named only
             raise ValueError(
-                f"{self.run_dir} holds a run with other settings (differences: {', '.join(changed)}): resume with "
-                "the same data and settings, or choose another run folder"
+                f"{self.run_dir} holds a run with other settings (differences: {', '.join(changed)})"
+                + (f": {'; '.join(shown)}" if shown else "")
+                + ". Train this one in another run folder, or resume that run with its own data and settings"
             )
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -355,7 +355,7 @@ def test_init_draft_starts_from_an_earlier_draft_and_must_match_it_but_for_the_b
     second = DFlashDraftModel.from_pretrained(tmp_path / "d2")
     for name, tensor in first.state_dict().items():
         assert torch.allclose(second.state_dict()[name], tensor, atol=1e-6), name
-    err = run_failing(later + ["--feature-layers", "0,1"], capsys)
+    err = run_failing(later + ["--feature-layers", "0,1", "--run-name", "mismatch"], capsys)
     assert "--init-draft" in err and "(1, [0, 2], 1)" in err and "(1, [0, 1], 1)" in err
     # More layers grow the draft: the earlier one's layer first, the added one silent at the start.
     assert main(later[:-1] + [str(tmp_path / "d3"), "--run-name", "grown", "--draft-layers", "2"]) == 0
@@ -476,3 +476,38 @@ def test_a_command_is_refused_while_another_writes_the_same_data(target_folder, 
         err = run_failing(train_args(target_folder, tmp_path, "--until", "labels"), capsys)
     assert "another run is writing to" in err
     assert files_of(work) == before
+
+
+def test_a_run_folder_resumes_only_with_the_settings_it_was_trained_with(target_folder, tmp_path, capsys):
+    """The same command with another learning rate (and more) into the same run folder is refused, naming every
+    difference and the ways out, rather than resuming the finished run and labelling it with the new settings."""
+    prompt_file(tmp_path / "prompts.jsonl")
+    base = train_args(target_folder, tmp_path, "--draft-vocab-size", "0", "--max-steps", "2", "--eval-every", "0",
+                      "--lr", "0.0006")
+    assert main(base) == 0
+    output = tmp_path / "draft"
+    before = files_of(output)
+    run_dir = tmp_path / "work" / "runs" / "default"
+    assert json.loads((run_dir / "run.json").read_text())["settings"]["--lr"] == "0.0006"
+
+    capsys.readouterr()
+    err = run_failing(base + ["--lr", "0.01", "--draft-layers", "2", "--max-steps", "3"], capsys)
+    assert f"the run folder {run_dir} holds a run with other settings" in err
+    for difference in ("--lr 0.0006 there, 0.01 now", "--draft-layers 1 there, 2 now", "--max-steps 2 there, 3 now"):
+        assert difference in err
+    assert "--run-name" in err and str(run_dir / "run.json") in err
+    assert err.count("\n") == 1  # one line, no traceback
+    assert files_of(output) == before  # nothing relabelled
+
+    # A checkpoint without run.json (an earlier flashdraft): the trainer's own check names the draft's shape.
+    (run_dir / "run.json").unlink()
+    err = run_failing(base + ["--draft-layers", "2"], capsys)
+    assert "holds a run with other settings (differences: draft)" in err and '"layers": 1' in err
+    assert "Traceback" not in err and "unexpected" not in err.lower()
+
+    assert main(base) == 0  # the same settings resume the run: the same draft
+    assert files_of(output)["model.safetensors"] == before["model.safetensors"]
+    other = tmp_path / "other-draft"  # the other settings, as a run of their own
+    assert main(base + ["--lr", "0.01", "--run-name", "lr-0.01", "-o", str(other)]) == 0
+    assert (other / "model.safetensors").read_bytes() != before["model.safetensors"]
+    assert "--lr 0.01" in json.loads((other / "training.json").read_text())["command"]
