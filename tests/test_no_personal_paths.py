@@ -1,5 +1,5 @@
-"""No personal absolute path (a path in a home folder, the root user's or one under the home root) in the repository or in what ships
-(model cards, a shipped draft's training.json): commands and examples use placeholders (`RUNS/...`,
+"""No personal absolute path (a path in a home folder, the root user's or one under the home root) in the repository
+or in what ships (model cards, a shipped draft's training.json): commands and examples use placeholders (`RUNS/...`,
 `$FLASHDRAFT_HOME/...`, `$HOME/...`) that read the same on every machine."""
 
 import re
