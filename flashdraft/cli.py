@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
 from .files import choose_thread_waiting
 
 COMMAND_MODULES = (
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flashdraft",
         description="Lossless speculative decoding with DFlash block-diffusion drafts.",
     )
+    parser.add_argument("--version", action="version", version=f"flashdraft {__version__}",
+                        help="print flashdraft's version and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)

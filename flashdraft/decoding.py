@@ -17,9 +17,9 @@ from transformers import PreTrainedModel
 
 from .adaptive import BlockSizeController, cached_costs
 from .draft import DFlashDraftModel
-from .proposals import LOOKUP_BLOCK_SIZE, PROPOSAL_MODES, DFlashProposer, HybridProposer, Proposer
+from .proposals import LOOKUP_BLOCK_SIZE, DFlashProposer, HybridProposer, Proposer
+from .rules import PROPOSAL_MODES, tau
 from .rules import check_block_size as check_integer_block_size
-from .rules import tau
 from .sampling import SamplingParams, accept_greedy, accept_sampled, check_seed, greedy, probabilities, sample
 from .target import TargetModel
 

@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+# The quick start's first prompt and length (README): a 135M demonstration model answers it correctly and ends its
+# answer well within the budget, where a longer task (a prime test) repeats itself until the cap. Checked end to end
+# by tests/test_real_models.py.
+DEMO_PROMPT = "Write a Python function that returns the sum of a list of numbers."
+DEMO_MAX_NEW_TOKENS = 128
 
 # Written last inside a converted folder, holding the sha256 of the GGUF it came from: a folder without it (or
 # with another checksum) is not a prepared model.
@@ -448,6 +453,94 @@ def _hub_unavailable() -> str | None:
     return None
 
 
+def _registry_help(name: str) -> str:
+    return (f" Use a registry model (`flashdraft models list`: {', '.join(REGISTRY)}) or a local transformers folder."
+            f"{_did_you_mean(name)}")
+
+
+def check_source(name_or_path: str, what: str = "target") -> None:
+    """What `load_target` (`what="target"`) or `load_draft` (`what="draft"`) would refuse about `name_or_path`,
+    found without torch, transformers or the models, so that a command fails in a second rather than after loading:
+    a registry model whose packages are missing, a folder that is no model folder, a hub id the hub cannot give
+    now, a name that is none of these. Raises the error the load would, else returns."""
+    if what == "target" and name_or_path in REGISTRY:
+        if prepared_folder(name_or_path) is None:
+            locate_files(REGISTRY[name_or_path])  # the pip command when a package is missing
+        return
+    extra_help = _registry_help(name_or_path) if what == "target" else " Pass a local draft folder."
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{what} folder {path} has no config.json: pass the folder that holds the model's config.json and "
+                f"weights{' (a DFlash draft, e.g. the output of `flashdraft train`)' if what == 'draft' else ''}")
+        return
+    if not _is_hub_id(name_or_path):
+        raise FileNotFoundError(
+            f"{what} {name_or_path!r} is neither an existing folder nor a hub id (owner/name).{extra_help}"
+        )
+    if (reason := _hub_unavailable()) and not _in_hub_cache(name_or_path):
+        raise ValueError(
+            f"{what} {name_or_path!r} is not a local folder, and as a hub id it needs the Hugging Face hub: "
+            f"unreachable ({reason}), and not in the local hub cache.{extra_help}"
+        )
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def shipped_draft(target_name: str, config) -> Path | None:
+    """The draft shipped in the package for a target: the one named after it (a registry target), else the one
+    whose target has `config`'s shape (hidden size, layer count, vocabulary: a copy of a registry target in a
+    folder); None when no shipped draft fits, and the commands then decode with the context lookup alone."""
+    if target_name in REGISTRY and (_SHIPPED_DRAFTS / target_name / "config.json").is_file():
+        return _SHIPPED_DRAFTS / target_name
+    shape = (config.hidden_size, config.num_hidden_layers, config.vocab_size)
+    for folder in sorted(_SHIPPED_DRAFTS.glob("*/config.json")):
+        draft = json.loads(folder.read_text())
+        if (draft["hidden_size"], draft["num_target_layers"], draft["vocab_size"]) == shape:
+            return folder.parent
+    return None
+
+
+def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = "", **kwargs):
+    """`loader.from_pretrained` on a local folder or a hub id ("owner/name"), with errors saying what was tried."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        try:
+            return loader.from_pretrained(str(path), **kwargs)
+        except Exception as error:  # noqa: BLE001 - safetensors and JSON errors alike mean a damaged folder
+            if isinstance(error, (ValueError, FileNotFoundError)) and str(path) in str(error):
+                raise  # flashdraft's own checks (a draft folder's), already naming the file
+            raise ValueError(
+                f"{what} folder {path} could not be read ({type(error).__name__}: {str(error).splitlines()[0]}): "
+                "a file in it is damaged or incomplete; restore or re-create the folder"
+            ) from None
+    if not _is_hub_id(name_or_path):
+        raise FileNotFoundError(
+            f"{what} {name_or_path!r} is neither an existing folder nor a hub id (owner/name).{extra_help}"
+        )
+    if reason := _hub_unavailable():
+        # Only the hub's local cache can help, and it answers at once (online, the client would retry for ~30 s).
+        try:
+            return loader.from_pretrained(name_or_path, local_files_only=True, **kwargs)
+        except OSError:
+            raise ValueError(
+                f"{what} {name_or_path!r} is not a local folder, and as a hub id it needs the Hugging Face hub: "
+                f"unreachable ({reason}), and not in the local hub cache.{extra_help}"
+            ) from None
+    try:
+        return loader.from_pretrained(name_or_path, **kwargs)
+    except OSError as error:
+        raise FileNotFoundError(
+            f"could not load {what} {name_or_path!r}: no such folder, and the Hugging Face hub did not provide it "
+            f"({error})."
+        ) from error
+
+
 def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = "", **kwargs):
     """`loader.from_pretrained` on a local folder or a hub id ("owner/name"), with errors saying what was tried."""
     path = Path(name_or_path).expanduser()
@@ -500,10 +593,7 @@ def load_target(
 
     dtype = torch.float32 if dtype is None else dtype
     source = str(prepare(name_or_path)) if name_or_path in REGISTRY else name_or_path
-    registry_help = (
-        f" Use a registry model (`flashdraft models list`: {', '.join(REGISTRY)}) or a local transformers folder."
-        f"{_did_you_mean(name_or_path)}"
-    )
+    registry_help = _registry_help(name_or_path)
     model = _from_pretrained(AutoModelForCausalLM, source, "target", extra_help=registry_help, dtype=dtype)
     remedy = (f"delete the folder and run `flashdraft models prepare {name_or_path}` again" if name_or_path in REGISTRY
               else "restore the target's folder")

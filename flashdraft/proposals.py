@@ -42,7 +42,6 @@ from .target import TargetModel
 
 GREEDY = SamplingParams()
 SOURCES = ("dflash", "lookup")
-PROPOSAL_MODES = ("hybrid", "dflash", "lookup")
 LOOKUP_BLOCK_SIZE = 16  # the most tokens a lookup round verifies when there is no draft to take the size from
 DECAY = 0.97  # per scored round: acceptance estimates follow the text as it changes
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 32, 512

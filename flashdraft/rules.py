@@ -42,6 +42,11 @@ def parse_block_size(text: str) -> int | str:
     return value
 
 
+# What a decoding round verifies besides the target's own token (`flashdraft.proposals`): the draft's block or the
+# context's lookup, whichever pays (hybrid), the draft alone, or the lookup alone.
+PROPOSAL_MODES = ("hybrid", "dflash", "lookup")
+
+
 def auto_dtype(device_type: str) -> str:
     """The dtype "auto" stands for: bfloat16 on a GPU, float32 elsewhere (bfloat16 is several times slower than
     float32 on a CPU)."""

@@ -16,6 +16,7 @@ gets NaN) p is computed from the logits shifted by their maximum instead, which 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from numbers import Integral
@@ -51,8 +52,8 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):  # NaN fails too
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):

@@ -95,14 +95,12 @@ def test_bad_input_is_reported_without_a_traceback(folders, capsys):
     root, _, _ = folders
     base = ["--target", str(root / "target"), "--draft", str(root / "draft")]
     cases = [
-        (["generate", "   ", *base], "the prompt is empty"),
-        (["generate", "w1", *base, "--top-p", "1.5"], "top_p must be in (0, 1]"),
-        (["generate", "w1", *base, "--max-new-tokens", "-2"], "max_new_tokens must be an integer >= 0"),
         (["generate", "w1", "--target", str(root / "missing"), "--block-size", "1"], "neither an existing folder"),
+        (["generate", "w1", "--target", str(root), "--block-size", "1"], "has no config.json"),
+        (["generate", "w1", *base[:2], "--draft", str(root / "missing")], "draft '"),
         (["generate", "w1", "--target", str(root / "target"), "--draft", str(root / "target")],
          "is not a DFlash draft"),
         (["generate", "w1", *base, "--device", "nosuch"], "unknown device 'nosuch': devices here are cpu"),
-        (["generate", "w1", *base, "--proposals", "ngram"], "proposals must be one of hybrid, dflash, lookup"),
         (["generate", "w1", *base, "--engine", "flashdraft", "--dtype", "bfloat16"],
          "the flashdraft engine cannot run this target: torch.bfloat16 on cpu"),
     ]
@@ -110,6 +108,35 @@ def test_bad_input_is_reported_without_a_traceback(folders, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["   "], "argument prompt: the prompt is empty"),
+    (["w1\udcff"], "argument prompt: the prompt is not valid UTF-8 text (undecodable bytes from character 2)"),
+    (["w1", "--system", "\udce9t\udce9"], "argument --system: the system message is not valid UTF-8 text"),
+    (["w1", "--temperature", "nan"], "argument --temperature: 'nan' is not a temperature: give a finite number >= 0"),
+    (["w1", "--temperature", "inf"], "argument --temperature: 'inf' is not a temperature"),
+    (["w1", "--temperature", "-0.5"], "argument --temperature: '-0.5' is not a temperature"),
+    (["w1", "--top-p", "1.5"], "argument --top-p: '1.5' is not a nucleus mass: give a number in (0, 1]"),
+    (["w1", "--top-p", "nan"], "argument --top-p: 'nan' is not a nucleus mass"),
+    (["w1", "--top-k", "-1"], "argument --top-k: '-1' is not an integer >= 0"),
+    (["w1", "--max-new-tokens", "-2"], "argument --max-new-tokens: '-2' is not an integer >= 1"),
+    (["w1", "--proposals", "ngram"], "argument --proposals: invalid choice: 'ngram'"),
+])
+def test_bad_arguments_are_refused_by_the_parser(argv, message, capsys):
+    """Undecodable text arrives from the shell as lone surrogates (Python's surrogateescape), as written here."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_asking_for_the_draft_alone_without_one_says_how_to_get_one(folders, capsys):
+    root, _, _ = folders
+    assert main(["generate", "w1", "--target", str(root / "target"), "--proposals", "dflash"]) == 2
+    err = capsys.readouterr().err
+    assert "--proposals dflash needs a draft, and none is shipped for" in err and "flashdraft train" in err
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -140,14 +167,25 @@ def test_help_is_there_for_every_option(capsys):
         assert option in out
 
 
-def test_help_and_argument_errors_load_neither_torch_nor_transformers():
-    """`flashdraft --help` and argument errors answer at once: the parser is built from light modules only."""
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--block-size", "x", "hi"], "argument --block-size: 'x' is neither an integer"),
+    (["generate", "--temperature", "nan", "hi"], "'nan' is not a temperature"),
+    (["generate", "--target", "nosuchmodel", "hi"], "target 'nosuchmodel' is neither an existing folder"),
+    (["serve", "--target", "nosuchmodel"], "target 'nosuchmodel' is neither an existing folder"),
+    (["bench", "--target", "nosuchmodel"], "target 'nosuchmodel' is neither an existing folder"),
+    (["generate", "--draft", "no/such/draft", "hi"], "draft 'no/such/draft' is neither an existing folder"),
+    (["--version"], "flashdraft 0."),
+    (["generate", "--help"], "--max-new-tokens"),
+])
+def test_help_and_argument_errors_load_neither_torch_nor_transformers(argv, message):
+    """`flashdraft --help`, argument errors and unknown models answer at once: the parser is built from light modules
+    only, and a command checks its arguments, target and draft before it imports torch."""
     import subprocess
     import sys
 
     code = ("import sys, flashdraft.cli as cli\n"
-            "try:\n    cli.main(['generate', '--block-size', 'x', 'hi'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+            f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert process.stdout.strip() == "[]", process.stderr
-    assert "argument --block-size: 'x' is neither an integer" in process.stderr
+    assert process.stderr.splitlines()[-1] == "[]", process.stderr
+    assert message in process.stdout + process.stderr

@@ -65,9 +65,10 @@ def test_negative_max_new_tokens():
         generate(max_new_tokens=-1)
 
 
-def test_negative_temperature():
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
-        generate(temperature=-0.5)
+@pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
+def test_a_temperature_that_is_not_a_finite_number_at_least_zero(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        generate(temperature=temperature)
 
 
 @pytest.mark.parametrize("top_p", [0.0, 1.5, -0.1])

@@ -4,6 +4,8 @@
 - decode tokens/s: tokens after the first over the time after the first (pooled over the prompts), so the
   prefill, which every method shares, is left out;
 - speedup: decode tokens/s over that of `ar` on the same dataset (the same as the ratio of decode time per token);
+- speedup over plain: the same over `flashdraft-plain` (flashdraft's engine and loop without proposals) where it ran,
+  so that the proposals' own gain is apart from the engine's (`ar` is transformers' `generate`);
 - median speedup: the median over the prompts of each prompt's own speedup (its decode tokens/s over `ar`'s on the
   same prompt and turn). The runner runs the methods back to back on each prompt, so a slow spell on a shared host
   moves both sides of a prompt's ratio; the pooled figure lets one slow prompt weigh by its seconds;
@@ -28,6 +30,7 @@ from ..decoding import acceptance_histogram, tau
 from .runner import Record
 
 BASELINE = "ar"
+PLAIN = "flashdraft-plain"  # the second baseline: flashdraft's own plain decoding
 
 
 def decode_tokens_per_second(records: Sequence[Record]) -> float:
@@ -83,6 +86,8 @@ class Summary:
     acceptance_histogram: dict[int, int]
     differs_from_ar: int | None  # None when sampling (outputs are not comparable)
     token_shares: dict[str, float]  # source -> share of the output tokens; empty when the method does not say
+    speedup_over_plain: float | None = None  # over `flashdraft-plain`; None when it did not run (or decoded nothing)
+    median_speedup_over_plain: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +115,8 @@ def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
             raise ValueError(f"dataset {dataset!r} has no {BASELINE!r} records to compare against")
         throughput = decode_tokens_per_second(group)
         baseline_throughput = decode_tokens_per_second(baseline)
+        plain = groups.get((dataset, PLAIN))
+        plain_throughput = decode_tokens_per_second(plain) if plain else 0.0
         lengths = [length for record in group for length in record.acceptance_lengths]
         summaries.append(
             Summary(
@@ -125,6 +132,8 @@ def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
                 acceptance_histogram=acceptance_histogram(lengths),
                 differs_from_ar=count_differing(group, baseline) if greedy else None,
                 token_shares=token_shares(group),
+                speedup_over_plain=throughput / plain_throughput if plain_throughput > 0 else None,
+                median_speedup_over_plain=median_speedup(group, plain) if plain else None,
             )
         )
     return summaries

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .metrics import BASELINE, Summary
+from .metrics import BASELINE, PLAIN, Summary
 from .runner import Record
 
 VERSIONED_PACKAGES = ("flashdraft", "torch", "transformers", "accelerate", "dflash")
@@ -77,18 +77,18 @@ def write_results(
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
     header = (
-        "| dataset | method | prompts | output tokens | decode tok/s | speedup | median speedup | TTFT ms | tau "
-        "| tokens by source | differs from ar |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"
+        f"| dataset | method | prompts | output tokens | decode tok/s | speedup over {BASELINE} | median "
+        f"| speedup over {PLAIN} | median | TTFT ms | tau | tokens by source | differs from ar |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"
     )
     rows = []
     for s in summaries:
-        speedup = f"{s.speedup:.2f}x" if s.speedup is not None else "n/a"
-        median = f"{s.median_speedup:.2f}x" if s.median_speedup is not None else "n/a"
+        speedups = " | ".join(f"{value:.2f}x" if value is not None else "n/a" for value in (
+            s.speedup, s.median_speedup, s.speedup_over_plain, s.median_speedup_over_plain))
         differs = "n/a (sampling)" if s.differs_from_ar is None else str(s.differs_from_ar)
         rows.append(
             f"| {s.dataset} | {s.method} | {s.prompts} | {s.output_tokens:.1f} | {s.decode_tokens_per_second:.1f} "
-            f"| {speedup} | {median} | {1000 * s.time_to_first_token:.0f} | {s.tau:.2f} | {_shares(s.token_shares)} "
+            f"| {speedups} | {1000 * s.time_to_first_token:.0f} | {s.tau:.2f} | {_shares(s.token_shares)} "
             f"| {differs} |"
         )
     return header + "\n".join(rows) + "\n"

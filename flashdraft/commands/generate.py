@@ -9,8 +9,15 @@ from flashdraft.commands.options import (
     add_block_size_option,
     add_device_options,
     add_proposals_option,
+    at_least,
     device_and_dtype,
+    draft_or_lookup,
+    status,
+    temperature,
+    text_argument,
+    top_p,
 )
+from flashdraft.models import DEFAULT_TARGET, DEMO_MAX_NEW_TOKENS, DEMO_PROMPT
 from flashdraft.rules import tau
 
 
@@ -20,21 +27,27 @@ def register(subparsers) -> None:
         help="generate text for one prompt, streamed to the terminal",
         description="Generate an answer to PROMPT with the target model, drafted by a DFlash draft. The output is "
         "exactly the target's own (greedy at temperature 0, the target's sampling distribution above it). "
-        "Without --target/--draft: the default target with the draft shipped in the package.",
+        f"Without --target/--draft: the default target ({DEFAULT_TARGET}, a 135M demonstration model) with the draft "
+        "shipped in the package; a target no draft is shipped for runs with the context lookup alone. "
+        f"Try: flashdraft generate --max-new-tokens {DEMO_MAX_NEW_TOKENS} \"{DEMO_PROMPT}\"",
     )
-    parser.add_argument("prompt", help="the prompt text (a user message when the tokenizer has a chat template)")
+    parser.add_argument("prompt", type=text_argument("prompt"),
+                        help="the prompt text (a user message when the tokenizer has a chat template)")
     parser.add_argument("--target", default=None, help="registry name, local folder or hub id of the target "
-                        "(default: smollm2-135m-instruct; see `flashdraft models list`)")
-    parser.add_argument("--draft", default=None, help="DFlash draft folder or hub id (default: the shipped draft, "
-                        "which fits the default target only)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+                        f"(default: {DEFAULT_TARGET}; see `flashdraft models list`)")
+    parser.add_argument("--draft", default=None, help="DFlash draft folder or hub id (default: the draft shipped "
+                        "for the target, if any; without one, the context lookup alone)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=256,
+                        help="most tokens to generate (default: 256)")
+    parser.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
+    parser.add_argument("--top-k", type=at_least(0), default=0,
+                        help="sample among the k most likely tokens; 0 = all (default)")
     add_block_size_option(parser)
     add_proposals_option(parser)
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    parser.add_argument("--system", default=None, help="optional system message for the chat template")
+    parser.add_argument("--system", type=text_argument("system message"), default=None,
+                        help="optional system message for the chat template")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
     add_device_options(parser)
     parser.add_argument("--verbose", action="store_true",
@@ -43,18 +56,25 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashdraft.decoding import check_proposals, stream
-    from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
+    from flashdraft.models import check_source
+
+    # Everything that can be checked without torch is, so that a mistake is answered in a second, not after loading.
+    target_name = args.target or DEFAULT_TARGET
+    check_source(target_name)
+    if args.draft is not None:
+        check_source(args.draft, "draft")
+    status(f"Loading {target_name} ...")
+    from flashdraft.decoding import stream
+    from flashdraft.models import load_draft, load_target
     from flashdraft.text import IncrementalText, encode_chat, stop_token_ids
 
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty: give the text to answer")
-    check_proposals(args.proposals)  # a mistyped mode fails before the models load
     device, dtype = device_and_dtype(args)
-    target, tokenizer = load_target(args.target or DEFAULT_TARGET, device=device, dtype=dtype, engine=args.engine)
-    # Plain decoding and the lookup need no draft; anything else uses the given or the shipped one.
-    draftless = args.proposals == "lookup" or (args.block_size == 1 and args.draft is None)
-    draft = None if draftless else load_draft(args.draft, device=device, dtype=dtype)
+    target, tokenizer = load_target(target_name, device=device, dtype=dtype, engine=args.engine)
+    # Plain decoding needs no draft; anything else uses the given or the shipped one, or the lookup without one.
+    proposals, draft = args.proposals, None
+    if not (args.block_size == 1 and args.draft is None):
+        draft_path, proposals = draft_or_lookup(args.draft, proposals, target_name, target.config)
+        draft = None if draft_path is None else load_draft(draft_path, device=device, dtype=dtype)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     chat_template = not args.no_chat_template and bool(tokenizer.chat_template)
@@ -63,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         target, draft, input_ids,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         stop_token_ids=stop_token_ids(target, tokenizer), block_size=args.block_size, seed=args.seed,
-        proposals=args.proposals,
+        proposals=proposals,
     )
     text = IncrementalText(tokenizer)
     with tokens:
@@ -76,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verbose:
         rounds = " ".join(f"{size}:{length}" for size, length in zip(result.block_sizes, result.acceptance_lengths))
         print(f"[rounds, block size:tokens yielded: {rounds}]", file=sys.stderr)
-    speculating = (draft is not None or args.proposals == "lookup") and args.block_size != 1
+    speculating = (draft is not None or proposals == "lookup") and args.block_size != 1
     print(statistics_line(result, speculating), file=sys.stderr)
     return 0
 

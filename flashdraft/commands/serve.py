@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import socket
 import sys
@@ -12,6 +13,8 @@ from flashdraft.commands.options import (
     add_device_options,
     add_proposals_option,
     device_and_dtype,
+    draft_or_lookup,
+    status,
 )
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # as flashdraft.serve.app's (not imported here: `flashdraft --help` needs no FastAPI)
@@ -40,7 +43,8 @@ def register(subparsers) -> None:
     drafts = parser.add_mutually_exclusive_group()
     drafts.add_argument(
         "--draft", default=None,
-        help="DFlash draft folder or hub id (default: the draft shipped for the default target)",
+        help="DFlash draft folder or hub id (default: the draft shipped for the target, if any; without one, the "
+        "context lookup alone)",
     )
     drafts.add_argument(
         "--no-draft", action="store_true",
@@ -83,20 +87,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flashdraft.models import DEFAULT_TARGET, check_source, load_draft, load_target
 
-    try:
-        import uvicorn
-
-        from flashdraft.serve import Engine, create_app
-        from flashdraft.serve.app import Server
-    except ImportError as error:
-        raise ValueError(
-            f"flashdraft serve needs the server packages ({error.name} is missing): pip install 'flashdraft[serve]'"
-        ) from error
-    from flashdraft.decoding import check_proposals
-    from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
-
-    check_proposals(args.proposals)
+    # Everything that can be checked without torch is, before the server's modules load it.
     if args.no_draft and args.proposals in ("hybrid", "dflash"):
         raise ValueError(f"--proposals {args.proposals} needs a draft: drop --no-draft, or use --proposals lookup")
     if args.max_queue < 1:
@@ -112,19 +105,29 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     target_name = args.target or DEFAULT_TARGET
-    draftless = args.no_draft or args.proposals == "lookup"
-    if not draftless and args.draft is None and target_name != DEFAULT_TARGET:
-        raise ValueError(
-            f"no draft is shipped for {target_name!r}: pass --draft FOLDER (a draft trained for it) or --no-draft"
-        )
+    check_source(target_name)
+    if args.draft is not None:
+        check_source(args.draft, "draft")
     listening = bind(args.host, args.port)
     try:
+        status(f"Loading {target_name} ...")
+        try:
+            import uvicorn
+
+            from flashdraft.serve import Engine, create_app
+            from flashdraft.serve.app import Server
+        except ImportError as error:
+            raise ValueError(f"flashdraft serve needs the server packages ({error.name} is missing): pip install "
+                             "'flashdraft[serve]'") from error
         device, dtype = device_and_dtype(args)
         model, tokenizer = load_target(target_name, device=device, dtype=dtype, engine=args.engine)
-        draft = None if draftless else load_draft(args.draft, device=device, dtype=dtype)
+        proposals, draft = args.proposals, None
+        if not args.no_draft:
+            draft_path, proposals = draft_or_lookup(args.draft, proposals, target_name, model.config)
+            draft = None if draft_path is None else load_draft(draft_path, device=device, dtype=dtype)
         engine = Engine.from_models(
             model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size,
-            proposals=args.proposals,
+            proposals=proposals,
         )
         app = create_app(engine, max_queue=args.max_queue, max_batch_size=args.max_batch_size,
                          max_body_bytes=args.max_body_bytes, body_seconds=args.body_seconds,
@@ -132,13 +135,25 @@ def run(args: argparse.Namespace) -> int:
         mode = f"{engine.proposals} proposals, block size {engine.block_size}" if engine.proposals else "no draft"
         print(f"Serving {engine.name!r} ({mode}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_SECONDS
+            app, host=args.host, port=args.port, log_level="info", log_config=log_config(),
+            timeout_graceful_shutdown=SHUTDOWN_SECONDS,
         )
         Server(config).run(sockets=listening)
     finally:
         for sock in listening:
             sock.close()
     return 0
+
+
+def log_config() -> dict:
+    """uvicorn's own logging configuration, with its access log on stderr beside its start-up, shutdown and error
+    messages and flashdraft's: uvicorn writes access lines to stdout by default, which split one server's log
+    across two streams (`2>server.log` kept the start-up and lost every request)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
 
 
 def bind(host: str, port: int) -> list[socket.socket]:

@@ -1,6 +1,7 @@
 """`flashdraft bench` end to end through the CLI, on tiny models saved to folders and a JSONL prompt file."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -66,17 +67,30 @@ def test_bench_command_reports_bad_input_without_a_traceback(folders, capsys):
     assert "pass --assistant" in capsys.readouterr().err
 
 
-def test_default_methods_include_flashdraft_hybrid_and_the_draft_at_the_adaptive_block_size(folders):
-    # `flashdraft-hybrid` is what `flashdraft generate` and `serve` run by default: a first benchmark must show it.
+def test_default_methods_include_flashdraft_plain_hybrid_and_the_draft_at_the_adaptive_block_size(folders):
+    # `flashdraft-hybrid` is what `flashdraft generate` and `serve` run by default: a first benchmark must show it;
+    # `flashdraft-plain`, the same engine without proposals, is the second baseline (speculation's own gain).
     out = folders / "out-default"
     code = main(["bench", "--target", str(folders / "target"), "--draft", str(folders / "draft"),
                  "--datasets", str(folders / "prompts.jsonl"), "--max-new-tokens", "4", "--output-dir", str(out)])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
-    expected = ["ar", "flashdraft-b4", "flashdraft-auto", "flashdraft-hybrid", "prompt-lookup",
+    expected = ["ar", "flashdraft-plain", "flashdraft-b4", "flashdraft-auto", "flashdraft-hybrid", "prompt-lookup",
                 "transformers-dflash-b4"]
     assert results["settings"]["methods"] == expected + (["reference-b4"] if reference_available() else [])
     assert all(summary["differs_from_ar"] == 0 for summary in results["summary"])
+    assert all(summary["speedup_over_plain"] is not None for summary in results["summary"])
+    plain = [summary for summary in results["summary"] if summary["method"] == "flashdraft-plain"]
+    assert plain and all(summary["speedup_over_plain"] == 1.0 for summary in plain)
+
+
+def test_the_methods_are_named_in_help_as_in_the_results(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = re.sub(r"(?<=\w-)\s+", "", capsys.readouterr().out)  # argparse wraps lines after a hyphen
+    for name in ("flashdraft-bB", "flashdraft-auto", "flashdraft-hybrid", "flashdraft-plain", "flashdraft-lookup",
+                 "reference-bB", "transformers-dflash-bB", "prompt-lookup", "assisted"):
+        assert name in help_text, name
 
 
 def test_importing_the_command_imports_no_torch():

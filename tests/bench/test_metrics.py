@@ -87,6 +87,31 @@ def test_summary_per_dataset_and_method():
     assert summaries["e", "ar"].time_to_first_token == 1.0
 
 
+def test_speedups_over_flashdraft_plain_where_it_ran():
+    records = [  # decode seconds: the seconds after the first token
+        # s0: ar decodes 8 tokens in 4 s, flashdraft-plain in 2 s, spec in 1 s; s1: 4 s, 1 s and 1 s
+        record("ar", range(9), 4.5, 0.5),
+        record("flashdraft-plain", range(9), 2.25, 0.25),
+        record("spec", range(9), 1.25, 0.25),
+        record("ar", range(9), 4.5, 0.5, sample="s1"),
+        record("flashdraft-plain", range(9), 1.25, 0.25, sample="s1"),
+        record("spec", range(9), 1.25, 0.25, sample="s1"),
+        record("ar", range(5), 2.5, 0.5, dataset="e"),  # no flashdraft-plain on this dataset
+        record("spec", range(5), 1.5, 0.5, dataset="e"),
+    ]
+    summaries = {(s.dataset, s.method): s for s in summarize(records, greedy=True)}
+    spec = summaries["d", "spec"]
+    # pooled: 16 tokens in 8 s (ar), 3 s (flashdraft-plain), 2 s (spec)
+    assert spec.speedup == pytest.approx(4.0)
+    assert spec.speedup_over_plain == pytest.approx(1.5)
+    assert spec.median_speedup_over_plain == pytest.approx(1.5)  # s0 2x, s1 1x
+    assert summaries["d", "flashdraft-plain"].speedup_over_plain == 1.0
+    assert summaries["d", "ar"].speedup_over_plain == pytest.approx(3 / 8)
+    assert summaries["e", "spec"].speedup == pytest.approx(2.0)
+    assert summaries["e", "spec"].speedup_over_plain is None
+    assert summaries["e", "spec"].median_speedup_over_plain is None
+
+
 def test_token_shares_pool_the_sources_of_every_record():
     records = [
         record("ar", range(4), 1.0, 0.5),

@@ -12,6 +12,7 @@ from flashdraft.bench.runner import Record
 
 RECORDS = [
     Record("humaneval", "h0", 0, "ar", 7, [1, 2, 3, 4, 5], 2.5, 0.5, [1, 1, 1, 1]),
+    Record("humaneval", "h0", 0, "flashdraft-plain", 7, [1, 2, 3, 4, 5], 1.25, 0.25, [1, 1, 1, 1], {"target": 5}),
     Record("humaneval", "h0", 0, "flashdraft-b4", 7, [1, 2, 3, 4, 5], 0.75, 0.25, [3, 1], {"target": 3, "dflash": 2}),
     Record("gsm8k", "g0", 0, "ar", 9, [6, 7, 8], 1.5, 0.5, [1, 1]),
     Record("gsm8k", "g0", 0, "flashdraft-b4", 9, [6, 7, 9], 0.5, 0.25, [2]),
@@ -21,16 +22,19 @@ RECORDS = [
 def test_markdown_table_rows():
     table = markdown_table(summarize(RECORDS, greedy=True))
     lines = table.splitlines()
-    assert lines[0].startswith("| dataset | method |")
-    assert len(lines) == 2 + 4
-    # humaneval: ar 4 tokens / 2 s = 2 tok/s; flashdraft 4 / 0.5 s = 8 tok/s -> 4x, tau 2, same output
-    assert lines[3] == (
-        "| humaneval | flashdraft-b4 | 1 | 5.0 | 8.0 | 4.00x | 4.00x | 250 | 2.00 | target 60%, dflash 40% | 0 |"
-    )
-    # gsm8k: ar 2 / 1 s; flashdraft 2 / 0.25 s -> 4x; its output differs from ar's
-    assert lines[5] == "| gsm8k | flashdraft-b4 | 1 | 3.0 | 8.0 | 4.00x | 4.00x | 250 | 2.00 | n/a | 1 |"
+    assert lines[0].startswith("| dataset | method | prompts | output tokens | decode tok/s | speedup over ar | median "
+                               "| speedup over flashdraft-plain | median |")
+    assert len(lines) == 2 + 5
+    # humaneval: ar 4 tokens / 2 s = 2 tok/s, flashdraft-plain 4 / 1 s = 4 tok/s; flashdraft 4 / 0.5 s = 8 tok/s ->
+    # 4x over ar, 2x over plain decoding on flashdraft's own engine; tau 2, same output
+    assert lines[3] == "| humaneval | flashdraft-plain | 1 | 5.0 | 4.0 | 2.00x | 2.00x | 1.00x | 1.00x | 250 | 1.00 " \
+                       "| target 100% | 0 |"
+    assert lines[4] == "| humaneval | flashdraft-b4 | 1 | 5.0 | 8.0 | 4.00x | 4.00x | 2.00x | 2.00x | 250 | 2.00 " \
+                       "| target 60%, dflash 40% | 0 |"
+    # gsm8k: ar 2 / 1 s; flashdraft 2 / 0.25 s -> 4x; no flashdraft-plain ran there; its output differs from ar's
+    assert lines[6] == "| gsm8k | flashdraft-b4 | 1 | 3.0 | 8.0 | 4.00x | 4.00x | n/a | n/a | 250 | 2.00 | n/a | 1 |"
     sampled = markdown_table(summarize(RECORDS, greedy=False))
-    assert sampled.splitlines()[3].endswith("| n/a (sampling) |")
+    assert sampled.splitlines()[4].endswith("| n/a (sampling) |")
 
 
 def test_written_report(tmp_path):
@@ -44,15 +48,15 @@ def test_written_report(tmp_path):
     assert results["machine"]["device"] == "cpu" and results["machine"]["torch_threads"] >= 1
     assert results["versions"]["torch"] == importlib.metadata.version("torch")
     assert results["versions"]["transformers"] == importlib.metadata.version("transformers")
-    assert len(results["records"]) == 4
-    assert results["records"][3] == {
+    assert len(results["records"]) == 5
+    assert results["records"][4] == {
         "dataset": "gsm8k", "sample_id": "g0", "turn": 0, "method": "flashdraft-b4", "prompt_tokens": 9,
         "tokens": [6, 7, 9], "seconds": 0.5, "time_to_first_token": 0.25, "acceptance_lengths": [2],
         "tokens_by_source": {},
     }
-    first = results["summary"][1]
+    first = results["summary"][2]
     assert (first["dataset"], first["method"]) == ("humaneval", "flashdraft-b4")
-    assert (first["speedup"], first["tau"]) == (4.0, 2.0)
+    assert (first["speedup"], first["speedup_over_plain"], first["tau"]) == (4.0, 2.0, 2.0)
     assert first["acceptance_histogram"] == {"1": 1, "3": 1}
     assert first["token_shares"] == {"target": 0.6, "dflash": 0.4}
 
@@ -62,6 +66,6 @@ def test_written_report(tmp_path):
         image = matplotlib.image.imread(paths[kind])
         assert image.shape[0] > 100 and image.shape[1] > 100
     # One acceptance panel per dataset: the figure grows with the number of datasets.
-    single = write_report(tmp_path / "one", summarize(RECORDS[:2], greedy=True), RECORDS[:2], settings,
+    single = write_report(tmp_path / "one", summarize(RECORDS[:3], greedy=True), RECORDS[:3], settings,
                           torch.device("cpu"), "x")
     assert matplotlib.image.imread(single["acceptance"]).shape[0] < image.shape[0]

@@ -42,13 +42,19 @@ def test_a_body_limit_below_one_byte_fails_before_any_model_loads(no_model_loads
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--proposals", "ngram"], "proposals must be one of hybrid, dflash, lookup (or None: the default), got 'ngram'"),
     (["--no-draft", "--proposals", "hybrid"], "--proposals hybrid needs a draft: drop --no-draft, or use --proposals "
                                               "lookup"),
 ])
 def test_proposals_that_cannot_work_fail_before_any_model_loads(no_model_loads, capsys, argv, message):
     assert main(["serve", "--port", "8000", *argv]) == 2
     assert capsys.readouterr().err == f"flashdraft serve: error: {message}\n"
+
+
+def test_an_unknown_proposals_mode_is_refused_by_the_parser(no_model_loads, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "8000", "--proposals", "ngram"])
+    assert exit_info.value.code == 2
+    assert "argument --proposals: invalid choice: 'ngram' (choose from" in capsys.readouterr().err
 
 
 def test_the_default_body_limits_are_the_apps():
