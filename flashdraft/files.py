@@ -40,6 +40,16 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     partial.replace(path)
 
 
+def readable_as_folder(folder: Path) -> None:
+    """Give every file directly in `folder` the folder's permissions, less execute: a model saved through a
+    temporary file (safetensors writes model.safetensors 0600) is then readable by whoever can read its folder, as
+    the other files beside it are."""
+    mode = folder.stat().st_mode & 0o666
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
-from .files import cache_home, check_finite, file_sha256, write_atomic  # noqa: F401 (re-exported)
+from .files import cache_home, check_finite, file_sha256, readable_as_folder, write_atomic  # noqa: F401 (re-exported)
+from .sanity import check_target_loss, text_loss
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +100,9 @@ class RegisteredModel:
     tied_embeddings: bool
     stop_token_ids: tuple[int, ...]  # end-of-turn tokens; written as the folder's generation_config.eos_token_id
     mask_token_id: int  # a special token that never occurs in chat: the default mask token for its drafts
+    # Its float32 loss on `flashdraft.sanity.SANITY_TEXT`, measured once: a local folder of its architecture is held
+    # to it (None: not recorded; only the generic bound applies).
+    reference_loss: float | None = None
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -144,6 +148,7 @@ REGISTRY: dict[str, RegisteredModel] = {
             tied_embeddings=True,
             stop_token_ids=(2,),  # <|im_end|>
             mask_token_id=16,  # <empty_output>
+            reference_loss=3.59,
         ),
         RegisteredModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -156,6 +161,7 @@ REGISTRY: dict[str, RegisteredModel] = {
             num_layers=24,
             hidden_size=896,
             tied_embeddings=False,
+            reference_loss=3.73,
             **_QWEN_CODER_FACTS,
         ),
         RegisteredModel(
@@ -412,6 +418,7 @@ def prepare(name: str) -> Path:
                 )
             convert_gguf(gguf_path, work, entry)
             gguf_path.unlink()
+            readable_as_folder(work)  # safetensors writes its file 0600
             marker = {"name": name, "gguf_sha256": digest, "files": _record_checksums(work)}
             (work / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
             work.rename(final)
@@ -576,6 +583,18 @@ def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = 
         ) from error
 
 
+def _reference_loss(config) -> tuple[str, float] | None:
+    """(name, recorded loss) of the registry model whose architecture facts `config` has, if its loss is recorded."""
+    config = config.get_text_config()
+    facts = (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size,
+             bool(config.tie_word_embeddings))
+    for entry in REGISTRY.values():
+        known = (entry.model_type, entry.num_layers, entry.hidden_size, entry.vocab_size, entry.tied_embeddings)
+        if known == facts and entry.reference_loss is not None:
+            return entry.name, entry.reference_loss
+    return None
+
+
 @_transformers_bars_off()
 def load_target(
     name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, engine: str = "auto"
@@ -600,6 +619,9 @@ def load_target(
     check_finite(model, f"target {source}", remedy)
     tokenizer = _from_pretrained(AutoTokenizer, source, "target", extra_help=registry_help)
     model = model.to(device).eval()
+    if name_or_path not in REGISTRY and Path(source).expanduser().is_dir():  # the registry's have checksums
+        check_target_loss(text_loss(model, tokenizer), model.config.get_text_config().vocab_size, source,
+                          _reference_loss(model.config))
     from flashdraft.target import TargetModel, remember_engine
 
     TargetModel(model, engine)  # checks the choice before anything runs

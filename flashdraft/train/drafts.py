@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..draft import DFlashDraftModel
+from ..files import readable_as_folder
 from .checkpoints import non_finite
 from .records import ensure_free_space
 
@@ -105,6 +106,7 @@ def save_draft_atomic(draft: DFlashDraftModel, folder: Path) -> None:
     temporary = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)
     draft.save_pretrained(temporary)
+    readable_as_folder(temporary)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(temporary, folder)
 
