@@ -503,7 +503,8 @@ class Engine:
         self.norm = base.norm.weight
         self.rotary = RotaryTables(base.rotary_emb, self.head_dim)
         self.layers = [_layer_weights(layer, self._fuse, self.num_heads, self.kv_heads) for layer in base.layers]
-        self.arithmetic, self.blocks = self._block_weights(model, arithmetic or arithmetic_setting())
+        self.choice = arithmetic or arithmetic_setting()  # what was asked for; `arithmetic` what runs
+        self.arithmetic, self.blocks = self._block_weights(model, self.choice)
         self.forms = {id(w): WeightForms.of(w) for w in self._weights() if id(w) not in self.blocks}
         self.kernels = KernelChoice({})
         if self.arithmetic == "int8":  # every product on the native kernels, on every thread there is

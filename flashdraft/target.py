@@ -18,11 +18,20 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from .engine import DraftEngine, Engine, EngineCache, cached_kernels, unsupported_reason
+from .engine import (
+    ARITHMETICS,
+    DraftEngine,
+    Engine,
+    EngineCache,
+    arithmetic_setting,
+    cached_kernels,
+    unsupported_reason,
+)
 from .sampling import SamplingParams, greedy, probabilities, sample
 
 ENGINES = ("auto", "flashdraft", "transformers")
 _ENGINE_CHOICE = "_flashdraft_engine_choice"
+_ARITHMETIC_CHOICE = "_flashdraft_arithmetic_choice"
 _ENGINE = "_flashdraft_engine"  # the model's engine, built by `TargetModel.engine`
 Cache = DynamicCache | EngineCache
 RowKV = tuple[torch.Tensor, torch.Tensor] | DynamicCache  # one row's K/V, from `RowCache.copy_row`
@@ -207,8 +216,10 @@ class TargetModel:
         if self.engine_choice == "transformers" or unsupported_reason(self.model) is not None:
             return None
         engine = getattr(self.model, _ENGINE, None)
-        if engine is None or not engine.matches(self.model):
-            engine = Engine(self.model)
+        arithmetic = getattr(self.model, _ARITHMETIC_CHOICE, "auto")
+        arithmetic = arithmetic_setting() if arithmetic == "auto" else arithmetic
+        if engine is None or not engine.matches(self.model) or engine.choice != arithmetic:
+            engine = Engine(self.model, arithmetic)
             if engine.arithmetic == "float32":  # int8 runs every product on the native kernels: nothing to choose
                 engine.kernels = cached_kernels(engine)
             setattr(self.model, _ENGINE, engine)
@@ -488,12 +499,16 @@ class TargetModel:
         return responses
 
 
-def remember_engine(model: PreTrainedModel, engine: str) -> None:
-    """Make `engine` the default of every `TargetModel` of `model` (the command line's --engine, whichever module
-    wraps the model later)."""
+def remember_engine(model: PreTrainedModel, engine: str, arithmetic: str = "auto") -> None:
+    """Make `engine` and its `arithmetic` (`flashdraft.engine.ARITHMETICS`; "auto": FLASHDRAFT_ARITHMETIC's, by
+    default int8 where the target has GGUF blocks) the default of every `TargetModel` of `model` (the command
+    line's --engine and --arithmetic, whichever module wraps the model later)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}, got {arithmetic!r}")
     setattr(model, _ENGINE_CHOICE, engine)
+    setattr(model, _ARITHMETIC_CHOICE, arithmetic)
 
 
 def hidden_state_indices(layer_ids: Sequence[int]) -> list[int]:

@@ -5,7 +5,8 @@ import torch
 
 import flashdraft
 from flashdraft import DFlashDraftModel
-from flashdraft.models import load_draft, load_target
+from flashdraft.models import DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, load_draft, load_target
+from flashdraft.target import TargetModel, remember_engine
 
 CODE_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -16,13 +17,42 @@ CODE_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_folder):
-    return load_target(str(smollm2_folder))
+    """The default target as a user gets it: the engine's default arithmetic, int8 on the GGUF's own blocks."""
+    model, tokenizer = load_target(str(smollm2_folder))
+    assert TargetModel(model).engine.arithmetic == "int8"
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32(smollm2_folder):
+    model, tokenizer = load_target(str(smollm2_folder))
+    remember_engine(model, "auto", arithmetic="float32")
+    return model, tokenizer
 
 
 def greedy(model, ids, max_new_tokens, stop):
+    """transformers' own greedy decoding (float32)."""
     out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
                          eos_token_id=stop, pad_token_id=stop[0])
     return out[0, len(ids):].tolist()
+
+
+def plain(model, ids, max_new_tokens, stop):
+    """The target's plain decoding on the engine, one token a step, in its arithmetic: what speculation must give."""
+    return flashdraft.generate(model, None, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop,
+                               block_size=1).tokens
+
+
+@pytest.mark.slow
+def test_float32_arithmetic_decodes_as_transformers_and_int8_as_its_own_plain_decoding(smollm2, smollm2_float32):
+    draft = load_draft(None)
+    for model, tokenizer in (smollm2_float32, smollm2):
+        stop = flashdraft.stop_token_ids(model, tokenizer)
+        ids = flashdraft.encode_chat(tokenizer, [{"role": "user", "content": CODE_PROMPTS[1]}])
+        result = flashdraft.generate(model, draft, ids, max_new_tokens=40, stop_token_ids=stop)
+        reference = greedy if model is smollm2_float32[0] else plain
+        assert result.tokens == reference(model, ids, 40, stop)
+    assert TargetModel(smollm2_float32[0]).engine.arithmetic == "float32"
 
 
 @pytest.mark.slow
@@ -33,7 +63,7 @@ def test_fresh_draft_on_the_real_target_is_lossless(smollm2):
     stop = flashdraft.stop_token_ids(model, tokenizer)
     ids = flashdraft.encode_chat(tokenizer, [{"role": "user", "content": "Name three colours."}])
     result = flashdraft.generate(model, draft, ids, max_new_tokens=24, stop_token_ids=stop)
-    assert result.tokens == greedy(model, ids, 24, stop)
+    assert result.tokens == plain(model, ids, 24, stop)
     assert len(result.acceptance_lengths) >= 1
 
 
@@ -51,7 +81,7 @@ def test_shipped_draft_is_lossless_and_still_accepts(smollm2):
         result = flashdraft.generate(model, draft, ids, max_new_tokens=48, stop_token_ids=stop,
                                      block_size=draft.block_size,  # the draft's own acceptance, no lookup
                                      proposals="dflash")
-        assert result.tokens == greedy(model, ids, 48, stop)
+        assert result.tokens == plain(model, ids, 48, stop)
         taus.append(result.tau)
     assert sum(taus) / len(taus) >= SHIPPED_TAU_FLOOR
 
@@ -65,3 +95,21 @@ def test_shipped_draft_is_lossless_and_still_accepts(smollm2):
 # v8 1.906, v6 1.785, v5 1.882, v4 1.595 and v3 1.401 at block 16, v2 1.333, the first draft 1.029). A draft or loop
 # that never gets a proposal accepted gives exactly 1.0.
 SHIPPED_TAU_FLOOR = 2.20
+
+
+@pytest.mark.slow
+def test_the_demo_prompt_gets_a_right_answer_that_ends_within_its_budget(smollm2):
+    """The quick start's prompt (README) on the 135M demonstration target: a correct palindrome test, its code
+    fence closed, ended by the model's end-of-turn token well before the budget (a prime test, the prompt before,
+    repeated a wrong line until the cap)."""
+    model, tokenizer = smollm2
+    ids = flashdraft.encode_chat(tokenizer, [{"role": "user", "content": DEMO_PROMPT}])
+    result = flashdraft.generate(model, load_draft(None), ids, max_new_tokens=DEMO_MAX_NEW_TOKENS,
+                                 stop_token_ids=flashdraft.stop_token_ids(model, tokenizer))
+    text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+    assert result.stop_reason == "stop" and len(result.tokens) < DEMO_MAX_NEW_TOKENS * 3 // 4, text
+    assert "def is_palindrome(s):\n    return s == s[::-1]\n```" in text
+    assert text.count("```") % 2 == 0
+    namespace = {}
+    exec(text.split("```python\n")[1].split("```")[0], namespace)  # the answer's own code, run
+    assert [namespace["is_palindrome"](word) for word in ("level", "abba", "", "flash")] == [True, True, True, False]

@@ -150,8 +150,10 @@ def _regenerate(args, corpus: Path, work: Path) -> int:
                          f"`flashdraft corpus status --target {args.target}`")
     _import(args, corpus, work)
     command = [sys.executable, "-m", "flashdraft.cli", *regeneration_arguments(args.target, work, num_prompts(args))]
-    # One thread that sleeps when idle: the regeneration shares the machine with whatever else runs.
-    environment = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    # One thread that sleeps when idle: the regeneration shares the machine with whatever else runs. The answers in
+    # the corpus's own arithmetic (`regenerate_settings`): float32 where its settings name none.
+    environment = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
+                       FLASHDRAFT_ARITHMETIC=corpus_arithmetic(corpus))
     if args.foreground:
         return subprocess.call(command, env=environment)
     work.mkdir(parents=True, exist_ok=True)
@@ -164,6 +166,15 @@ def _regenerate(args, corpus: Path, work: Path) -> int:
     print(f"regenerating in the background (process group {process.pid}); log: {log}\n"
           f"pause it while timing anything: flashdraft corpus pause --target {args.target}", file=sys.stderr)
     return 0
+
+
+def corpus_arithmetic(corpus: Path) -> str:
+    """The engine arithmetic a corpus's answers were made in: its settings' (float32 where they name none, as
+    before there was a choice); a new corpus takes the engine's default."""
+    from flashdraft.train.corpus import read_manifest
+
+    settings = read_manifest(corpus).get("settings")
+    return "auto" if settings is None else settings.get("arithmetic", "float32")
 
 
 def _train_folder(args, corpus: Path, work: Path) -> int:

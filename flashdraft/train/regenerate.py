@@ -67,10 +67,15 @@ def generate_batch(
 
 def regenerate_settings(model, tokenizer, *, max_new_tokens: int, temperature: float, top_k: int, batch_size: int,
                         seed: int) -> dict:
-    """The settings a record folder of `regenerate` is made with (its meta.json): records made with others differ."""
+    """The settings a record folder of `regenerate` is made with (its meta.json): records made with others differ.
+    The engine's arithmetic is one where it is int8 (greedy answers in int8 and in float32 differ now and then);
+    float32 records, made before there was a choice, say nothing of it."""
+    target = TargetModel(model)
+    arithmetic = target.engine.arithmetic if target.engine is not None else "float32"
     return {
         "stage": "regenerate",
-        **TargetModel(model).identity(),
+        **target.identity(),
+        **({"arithmetic": arithmetic} if arithmetic != "float32" else {}),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_k": top_k,
