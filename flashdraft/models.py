@@ -48,7 +48,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # The quick start's first prompt and length (README): a 135M demonstration model answers it correctly and ends its
 # answer well within the budget, where a longer task (a prime test) repeats itself until the cap. Checked end to end
 # by tests/test_real_models.py.
-DEMO_PROMPT = "Write a Python function that returns the sum of a list of numbers."
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 DEMO_MAX_NEW_TOKENS = 128
 
 # Written last inside a converted folder, holding the sha256 of the GGUF it came from: a folder without it (or
