@@ -175,6 +175,15 @@ class Batch:
                                  new_generator(params, seed, self.target.device), proposer))
         return sequence
 
+    def release_rows(self) -> None:
+        """With no sequence left, start from empty row caches: the K/V tensors grow to the most rows and positions
+        they have held and never shrink, so an idle server would keep a past peak's memory. The kept prompt prefixes
+        stay (they are what later prompts are served from)."""
+        if len(self) == 0:
+            self.cache = self.target.new_row_cache()
+            self.draft_cache = self.dflash.new_row_cache() if self.dflash else None
+            self.prefill_cache = self.target.new_row_cache()
+
     def cancel(self, sequence: BatchSequence) -> None:
         """Stop a sequence: it leaves the batch now, running, being prefilled or waiting (its rows are freed)."""
         sequence.cancelled = True

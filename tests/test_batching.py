@@ -159,6 +159,29 @@ def test_a_cancelled_sequence_frees_its_row_and_its_memory():
     assert sizes[0] == sizes[1] == sizes[2]
 
 
+def test_an_empty_batch_releases_its_row_caches_and_keeps_its_prefixes():
+    """An idle server's batch gives back the K/V tensors its peak left (they never shrink), and then decodes as
+    before; while a sequence is in it, nothing is released."""
+    target, draft = on_engine("qwen3", "flashdraft"), DRAFTS["qwen3"]
+    batch = Batch(target, draft, block_size=4, proposals="dflash")
+    prompt = list(range(2, 60))
+    first = batch.add(prompt, max_new_tokens=6)
+    batch.step()
+    caches = (batch.cache, batch.prefill_cache, batch.draft_cache)
+    batch.release_rows()  # a sequence still runs: kept
+    assert (batch.cache, batch.prefill_cache, batch.draft_cache) == caches
+    while not first.finished:
+        batch.step()
+    prefixes = batch.prefixes
+    batch.release_rows()
+    assert batch.cache.engine_cache.keys is None and batch.draft_cache.keys is None  # nothing allocated
+    assert batch.prefixes is prefixes
+    again = batch.add(prompt, max_new_tokens=6)
+    while not again.finished:
+        batch.step()
+    assert again.result.tokens == first.result.tokens
+
+
 def test_a_row_that_never_drafted_can_take_a_leaver_s_place():
     """Rows join the draft's cache between its passes: the last row, not yet drafted (past the rows the cache
     has allocated), moves into a leaver's place with nothing to copy."""

@@ -19,6 +19,8 @@ cancelled job's row is freed before the next forward. With 1 it runs one job at 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import threading
 import time
@@ -39,6 +41,25 @@ from ..text import IncrementalText, encode_chat, stop_token_ids
 from .schemas import Statistics
 
 logger = logging.getLogger("flashdraft.serve")
+
+def _glibc_trim():
+    """glibc's `malloc_trim`, or None elsewhere (musl, macOS): what gives freed heap memory back to the system."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _glibc_trim()
+
+
+def release_memory() -> None:
+    """Give the memory freed since the last call back to the system. glibc keeps what a request freed (a long
+    prompt's activations, a batch's caches, a megabyte body's tokenization) in its heaps and arenas, so without this
+    the server's resident memory only grows; called when the worker runs out of work."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
 
 # Requests stepped together by default. On this 2-core CPU (SmolLM2-135M, BENCHMARKS.md "Continuous batching") output
 # tokens/s still grew from 8 to 16 concurrent requests, and a round of 16 rows stays a fraction of a second.
@@ -268,6 +289,8 @@ class Worker:
 
     def _next(self) -> Job | None:
         with self._changed:
+            if not self._waiting and not self._stopping:
+                release_memory()  # the last job's memory, before waiting for the next
             self._changed.wait_for(lambda: self._waiting or self._stopping)
             return None if self._stopping else self._waiting.popleft()
 
@@ -276,9 +299,13 @@ class Worker:
             setattr(self, counter, getattr(self, counter) + 1)
 
     def _take(self, most: int, wait: bool) -> list[Job] | None:
-        """Up to `most` waiting jobs (waiting for one when `wait`); None once the worker stops."""
+        """Up to `most` waiting jobs (waiting for one when `wait`, after giving back the memory the last ones
+        freed); None once the worker stops."""
         with self._changed:
             if wait:
+                if not self._waiting and not self._stopping:
+                    self._batch.release_rows()
+                    release_memory()
                 self._changed.wait_for(lambda: self._waiting or self._stopping)
             if self._stopping:
                 return None
