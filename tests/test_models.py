@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -195,6 +196,16 @@ def test_cache_home_comes_from_the_environment_or_the_user_cache(monkeypatch, tm
     assert models.cache_home() == tmp_path
     monkeypatch.delenv("FLASHDRAFT_HOME")
     assert models.cache_home() == Path(platformdirs.user_cache_dir("flashdraft"))
+
+
+def test_the_test_run_keeps_its_caches_out_of_the_users_home():
+    """tests/conftest.py gives the run a temporary FLASHDRAFT_HOME, whatever the user's is; only the prepared models
+    are shared between runs, through a link into pytest's cache folder in the checkout."""
+    home = models.cache_home()
+    assert home.parent == Path(tempfile.gettempdir()) and home.name.startswith("flashdraft-test-home-")
+    user_home = Path(platformdirs.user_cache_dir("flashdraft")).resolve()
+    models_folder = (home / "models").resolve()
+    assert not models_folder.is_relative_to(user_home)
 
 
 # ---------------------------------------------------------------- preparing (fabricated package)
