@@ -538,10 +538,14 @@ class Engine:
         if choice == "float32":
             return "float32", {}
         folder = Path(getattr(model, "name_or_path", "") or "")
-        path = quantized.ensure_blocks_file(folder) if native.available() and folder.is_dir() else None
+        # Each token of a verification gets exactly what a one-token step gives it only on the native attention,
+        # which computes every query alone: int8 needs it (torch's fused attention may round a row differently).
+        fits = native_attention_fits(self.num_heads, self.kv_heads, self.head_dim)
+        path = quantized.ensure_blocks_file(folder) if fits and folder.is_dir() else None
         if path is None:
             if choice == "int8":
                 why = (f"the native kernels are unavailable ({native.unavailable_reason()})" if not native.available()
+                       else "its attention does not fit the native kernel (head_dim 64 or 128)" if not fits
                        else f"{folder} holds no GGUF blocks ({quantized.BLOCKS_FILE}: registry targets have them)")
                 raise ValueError(f"int8 arithmetic cannot run this target: {why}; use float32")
             return "float32", {}

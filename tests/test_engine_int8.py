@@ -1,0 +1,143 @@
+"""The engine's int8 arithmetic on a tiny target that comes with GGUF blocks, as a registry target does: every
+product on its blocks, each token of a verification exactly what a one-token step gives it, so that decoding with a
+draft is plain decoding, token for token; and the ways it refuses or steps aside."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_block_gemm import random_blocks
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import flashdraft
+from flashdraft import native, quantized
+from flashdraft.models import load_target
+from flashdraft.target import TargetModel, remember_engine
+
+from tiny import tiny_draft, tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels do not build here")
+
+# Each product in a type of its own, as a Q4_K_M file mixes them; the head is Q8_0, as the default target's.
+TYPES = {"attn_q": "Q5_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q5_1",
+         "ffn_up": "Q5_0", "ffn_down": "Q6_K"}
+HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+
+
+def gguf_target(folder, arch: str = "llama", types: dict[str, str] = TYPES, damage: str | None = None):
+    """A tiny target (head_dim 64, as the native attention takes) saved in `folder` with a blocks file: random GGUF
+    blocks for every product and the head, the model's weights their dequantized values (a Llama's q and k rows in
+    llama.cpp's permuted order in the blocks, as its converter writes them). `damage`: a tensor whose blocks are
+    changed after the weights were taken from them."""
+    common = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=True)
+    model = (LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**common)))
+    blocks = {}
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            for tensor, type_name in types.items():
+                linear = layer.get_submodule(HF_NAMES[tensor])
+                shape = tuple(linear.weight.shape)
+                raw = random_blocks(type_name, shape, seed=100 * index + len(blocks))
+                codes = quantized.decode(type_name, raw, shape)
+                if arch == "llama" and tensor in ("attn_q", "attn_k"):
+                    heads = 2 if tensor == "attn_q" else 1
+                    codes = codes.rows(quantized.unpermute_order(shape[0], heads))
+                linear.weight.copy_(torch.from_numpy(codes.dequantize()))
+                blocks[f"blk.{index}.{tensor}.weight"] = (type_name, shape, raw)
+        # The head (tied to the embedding) with scales a fifth as large: a random model that guesses about
+        # uniformly, as the load's sanity check expects of one (flashdraft/sanity.py).
+        raw = random_blocks("Q8_0", (96, 128), seed=7).reshape(96, 4, 34).copy()
+        raw[..., :2] = (raw[..., :2].copy().view(np.float16) / np.float16(5)).view(np.uint8)
+        raw = raw.reshape(-1)
+        model.model.embed_tokens.weight.copy_(torch.from_numpy(quantized.decode("Q8_0", raw, (96, 128)).dequantize()))
+        blocks["token_embd.weight"] = ("Q8_0", (96, 128), raw)
+    if damage is not None:
+        type_name, shape, raw = blocks[damage]
+        raw = raw.copy()
+        raw[-1] ^= 1
+        blocks[damage] = (type_name, shape, raw)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tiny_tokenizer(96).save_pretrained(folder)
+    quantized.write_blocks(blocks, folder / quantized.BLOCKS_FILE)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_target_with_gguf_blocks_runs_int8_and_each_token_of_a_block_is_its_one_token_step(tmp_path, arch):
+    model, _ = load_target(str(gguf_target(tmp_path, arch)))
+    engine = TargetModel(model).engine
+    assert engine.arithmetic == "int8" and len(engine.blocks) == 2 * 4 + 1  # every product and the head
+    prompt = torch.randint(0, 96, (1, 20))
+    positions = torch.arange(40)[None]
+    cache = engine.new_cache()
+    engine.forward(prompt, positions[:, :20], cache)
+    step = torch.randint(0, 96, (1, 16))
+    block, _ = engine.forward(step, positions[:, 20:36], cache)
+    cache.crop(20)
+    for i in range(16):
+        alone, _ = engine.forward(step[:, i : i + 1], positions[:, 20 + i : 21 + i], cache)
+        assert torch.equal(alone[0, 0], block[0, i])
+    float32 = TargetModel(load_target(str(tmp_path))[0], engine="transformers")
+    expected = float32.model(torch.cat([prompt, step], 1)).logits[0, 20:]
+    assert ((block[0] - expected).norm() / expected.norm()) < 0.05  # llama.cpp's rounding of the activations
+
+
+def test_decoding_with_a_draft_gives_plain_int8_decoding_token_for_token(tmp_path):
+    model, _ = load_target(str(gguf_target(tmp_path)))
+    draft = tiny_draft(model, num_layers=1, block_size=8, mask_token_id=5)
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = flashdraft.generate(model, None, prompt, max_new_tokens=40, block_size=1)
+        for block_size in (4, 8, "auto"):
+            fast = flashdraft.generate(model, draft, prompt, max_new_tokens=40, block_size=block_size)
+            assert fast.tokens == plain.tokens
+
+
+def test_float32_arithmetic_stays_on_the_same_model(tmp_path):
+    model, _ = load_target(str(gguf_target(tmp_path)))
+    remember_engine(model, "auto", arithmetic="float32")
+    engine = TargetModel(model).engine
+    assert engine.arithmetic == "float32" and not engine.blocks
+    remember_engine(model, "auto", arithmetic="int8")
+    assert TargetModel(model).engine.arithmetic == "int8"
+    with pytest.raises(ValueError, match="arithmetic must be one of auto, float32, int8"):
+        remember_engine(model, "auto", arithmetic="int4")
+
+
+def test_a_type_without_a_kernel_stays_float32_with_a_note(tmp_path, capsys):
+    folder = gguf_target(tmp_path)
+    meta = quantized.GGUFBlocks(folder / quantized.BLOCKS_FILE).meta
+    tensors = {name: (type_name if name != "blk.1.ffn_up.weight" else "Q2_K", (n, k),
+                      quantized.GGUFBlocks(folder / quantized.BLOCKS_FILE)._file.get_tensor(name))
+               for name, (type_name, n, k) in meta.items()}
+    quantized.write_blocks(tensors, folder / quantized.BLOCKS_FILE)
+    model, _ = load_target(str(folder))
+    engine = TargetModel(model).engine
+    assert engine.arithmetic == "int8" and len(engine.blocks) == 8
+    assert "int8 arithmetic: 1 product(s) stay float32 (blk.1.ffn_up.weight is Q2_K, which has no int8 kernel)" in (
+        capsys.readouterr().err)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    draft = tiny_draft(model, num_layers=1, mask_token_id=5)
+    assert flashdraft.generate(model, draft, prompt, max_new_tokens=24).tokens == (
+        flashdraft.generate(model, None, prompt, max_new_tokens=24, block_size=1).tokens)
+
+
+def test_a_damaged_block_is_refused_by_name(tmp_path):
+    model, _ = load_target(str(gguf_target(tmp_path, damage="blk.0.ffn_gate.weight")))
+    with pytest.raises(ValueError, match="blk.0.ffn_gate.weight in .* does not give the model's weight back"):
+        _ = TargetModel(model).engine
+
+
+def test_int8_asked_of_a_target_without_blocks_says_why(tmp_path):
+    folder = gguf_target(tmp_path)
+    (folder / quantized.BLOCKS_FILE).unlink()
+    model, _ = load_target(str(folder))
+    assert TargetModel(model).engine.arithmetic == "float32"  # auto: float32 where there are no blocks
+    remember_engine(model, "auto", arithmetic="int8")
+    with pytest.raises(ValueError, match="int8 arithmetic cannot run this target: .* holds no GGUF blocks"):
+        _ = TargetModel(model).engine
