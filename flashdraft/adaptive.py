@@ -144,6 +144,9 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "engine": target.engine_name,
             # The engine's kernel choice decides its costs: a new kernel (or a new measurement) prices anew.
             "kernels": target.engine.kernels.table if target.engine is not None else None,
+            # The arithmetic and the weights' forms (int8 on GGUF blocks, float32 packed or not) price anew.
+            "arithmetic": target.engine.arithmetic if target.engine is not None else None,
+            "weights": target.engine.packed_formats() if target.engine is not None else None,
             "native": native.build_identity(),  # a rebuilt native kernel (new source or compiler) prices anew
             # How threads wait changes every cost (a one-token step 2x here), and the draft's arithmetic its pass.
             "environment": {name: os.environ.get(name) for name in (*THREADING_VARIABLES, "FLASHDRAFT_DRAFT_BF16",

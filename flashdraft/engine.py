@@ -606,13 +606,18 @@ class Engine:
 
     def packed_formats(self) -> dict[str, list[str]]:
         """The packed forms of the engine's weights by kind (`WeightForms`), e.g. {"qkv": ["q4_1"], ...}; an
-        unpacked weight counts as "float32"."""
+        unpacked weight counts as "float32"; with int8 arithmetic, the GGUF types of the blocks, e.g. ["Q5_0",
+        "Q8_0"]."""
         kinds = {"head": [self.head_weight]}
         for layer in self.layers:
             for kind in ("qkv", "o", "gate_up", "down"):
                 kinds.setdefault(kind, []).append(getattr(layer, kind))
-        return {kind: sorted({getattr(self.forms[id(w)].packed, "format", "float32") for w in weights})
-                for kind, weights in kinds.items()}
+        def forms(weight: torch.Tensor) -> list[str]:
+            if id(weight) in self.blocks:  # int8 arithmetic: the GGUF types
+                return self.blocks[id(weight)].types
+            return [getattr(self.forms[id(weight)].packed, "format", "float32")]
+
+        return {kind: sorted({form for w in weights for form in forms(w)}) for kind, weights in kinds.items()}
 
     def accelerate(self, module: nn.Module) -> nn.Module:
         """Route the inference products of a draft's projections (and of a head given as `module` itself) through

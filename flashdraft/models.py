@@ -597,7 +597,8 @@ def _reference_loss(config) -> tuple[str, float] | None:
 
 @_transformers_bars_off()
 def load_target(
-    name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, engine: str = "auto"
+    name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, engine: str = "auto",
+    arithmetic: str = "auto",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a target causal LM and its tokenizer; the model is in eval mode on `device`, in `dtype` (None: float32).
 
@@ -605,7 +606,9 @@ def load_target(
     hub id passed to `from_pretrained` (failing at once when the hub is unreachable and has no cached copy).
     `engine` is the forward every `TargetModel` of this model runs by default (`flashdraft.target.TargetModel`):
     "auto", "flashdraft" (checked here: it fails at once, saying why the engine cannot run the model) or
-    "transformers".
+    "transformers"; `arithmetic` how the engine computes (`flashdraft.engine.ARITHMETICS`): "auto" (int8 on the
+    GGUF's own blocks where the target has them, as registry targets do; else float32), "float32" (transformers'
+    own results) or "int8".
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -625,7 +628,7 @@ def load_target(
     from flashdraft.target import TargetModel, remember_engine
 
     TargetModel(model, engine)  # checks the choice before anything runs
-    remember_engine(model, engine)
+    remember_engine(model, engine, arithmetic)
     return model, tokenizer
 
 

@@ -141,3 +141,18 @@ def test_int8_asked_of_a_target_without_blocks_says_why(tmp_path):
     remember_engine(model, "auto", arithmetic="int8")
     with pytest.raises(ValueError, match="int8 arithmetic cannot run this target: .* holds no GGUF blocks"):
         _ = TargetModel(model).engine
+
+
+def test_the_command_lines_arithmetic_reaches_the_engine(tmp_path, capsys):
+    from flashdraft.cli import build_parser
+
+    folder = gguf_target(tmp_path)
+    for command in ("generate", "serve", "bench"):
+        args = build_parser().parse_args([command, *(["hi"] if command == "generate" else []), "--arithmetic",
+                                          "float32", "--target", str(folder)])
+        assert args.arithmetic == "float32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--arithmetic", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    model, _ = load_target(str(folder), arithmetic="float32")
+    assert TargetModel(model).engine.arithmetic == "float32"

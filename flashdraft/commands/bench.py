@@ -152,12 +152,14 @@ def run(args: argparse.Namespace) -> int:
     require_matplotlib()
     names = _method_names(args)
     device, dtype = device_and_dtype(args)
-    target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine)
+    target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine,
+                                      arithmetic=args.arithmetic)
     draft_path, names = _draft_or_lookup(args, names, target.config)
     draft = None if draft_path is None else load_draft(draft_path, device=device, dtype=dtype)
     assistant = assistant_tokenizer = None
     if args.assistant is not None:
-        assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype, engine=args.engine)
+        assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype,
+                                                     engine=args.engine, arithmetic=args.arithmetic)
     methods = build_methods(
         names, target=target, tokenizer=tokenizer, draft=draft, block_sizes=_block_sizes(args, draft),
         assistant=assistant, assistant_tokenizer=assistant_tokenizer,
@@ -216,7 +218,8 @@ def run_replay(args: argparse.Namespace) -> int:
     from flashdraft.text import encode_chat, stop_token_ids
 
     device, dtype = device_and_dtype(args)
-    target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine)
+    target, tokenizer = load_target(args.target, device=device, dtype=dtype, engine=args.engine,
+                                      arithmetic=args.arithmetic)
     draft_path = args.draft or shipped_draft(args.target, target.config)
     if draft_path is None:
         raise ValueError(f"--replay measures a draft, and none is shipped for {args.target}: "

@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from flashdraft.text import IncrementalText, encode_chat, stop_token_ids
 
     device, dtype = device_and_dtype(args)
-    target, tokenizer = load_target(target_name, device=device, dtype=dtype, engine=args.engine)
+    target, tokenizer = load_target(target_name, device=device, dtype=dtype, engine=args.engine,
+                                      arithmetic=args.arithmetic)
     # Plain decoding needs no draft; anything else uses the given or the shipped one, or the lookup without one.
     proposals, draft = args.proposals, None
     if not (args.block_size == 1 and args.draft is None):

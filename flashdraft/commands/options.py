@@ -15,6 +15,7 @@ from flashdraft.rules import PROPOSAL_MODES, parse_block_size, resolve_dtype
 
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("auto", "flashdraft", "transformers")  # flashdraft.target.ENGINES, without loading torch for --help
+ARITHMETICS = ("auto", "float32", "int8")  # flashdraft.engine.ARITHMETICS, likewise
 
 
 def add_device_options(parser, engine: bool = True) -> None:
@@ -28,6 +29,12 @@ def add_device_options(parser, engine: bool = True) -> None:
                             help="the target's forward: auto (default) = flashdraft's exact CPU engine where it "
                             "runs (Llama, Qwen2, Qwen3 in float32 on CPU), else transformers'; flashdraft = the engine "
                             "or an error saying why not; transformers = always transformers' forward")
+        parser.add_argument("--arithmetic", choices=ARITHMETICS, default="auto",
+                            help="how the engine computes the target's products: auto (default) = int8 where the "
+                            "target comes from a GGUF (the registry's: its own quantized blocks against activations "
+                            "rounded to 8 bits, as llama.cpp computes), else float32; float32 = transformers' own "
+                            "results; int8 = int8 or an error saying why not. Speculation never changes the output "
+                            "of either")
 
 
 def block_size(text: str) -> int | str:

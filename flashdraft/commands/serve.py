@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"flashdraft serve needs the server packages ({error.name} is missing): pip install "
                              "'flashdraft[serve]'") from error
         device, dtype = device_and_dtype(args)
-        model, tokenizer = load_target(target_name, device=device, dtype=dtype, engine=args.engine)
+        model, tokenizer = load_target(target_name, device=device, dtype=dtype, engine=args.engine,
+                                      arithmetic=args.arithmetic)
         proposals, draft = args.proposals, None
         if not args.no_draft:
             draft_path, proposals = draft_or_lookup(args.draft, proposals, target_name, model.config)
