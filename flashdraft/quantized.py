@@ -360,6 +360,7 @@ def ensure_blocks_file(folder: Path) -> Path | None:
                 return None
             partial = folder / ".gguf-blocks.partial.safetensors"
             save_blocks(scratch, partial)
+            partial.chmod(folder.stat().st_mode & 0o666)  # readable as the folder is (the cache may be shared)
             partial.replace(path)
         finally:
             scratch.unlink(missing_ok=True)

@@ -195,8 +195,122 @@ PANELS_AVX512(5, 32)
 PANELS_AVX512(8, 32)
 PANELS_AVX512(8, 16)
 
+/* ---- AMX (Intel's tile unit, where the CPU and the kernel offer it): from AMX_MIN_ROWS rows on, a weight block's
+ * products for up to 16 rows in one tile instruction: A = the rows' codes of the block [rows][block], B = the panel's
+ * codes in exactly the panel layout [block / 4][16 outputs][4], C = the int32 sums [rows][16 outputs]; the float work
+ * after it is the VNNI version's, so the bits are too. Rows are read in tiles of TILE_ROWS, the quantized rows padded
+ * with zero rows to a whole tile (`block_gemm`), so one tile shape serves a whole call. ---- */
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_MIN_ROWS 4
+#define TILE_ROWS 16
+
+typedef struct {
+    unsigned char palette, start_row, reserved[14];
+    unsigned short bytes_per_row[16];
+    unsigned char rows[16];
+} tile_config;
+
+static int amx_permitted(void) { /* Linux hands out the tile state only on request, once a process */
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+/* On every call, on every thread: another library (oneDNN inside torch) may have set other tile shapes since. */
+static void amx_configure(int rows, int block) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    config.rows[0] = rows, config.bytes_per_row[0] = 64;        /* C: int32 sums of 16 outputs */
+    config.rows[1] = rows, config.bytes_per_row[1] = block;     /* A: the rows' codes of one weight block */
+    config.rows[2] = block / 4, config.bytes_per_row[2] = 64;   /* B: the panel's codes, 4 of 16 outputs a row */
+    /* GCC does not count the instruction's read of `config`, and drops the stores above without this barrier. */
+    __asm__ __volatile__("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+}
+
+static inline __attribute__((always_inline)) void panel_amx(const int MR, const int BITS, const int BLOCK,
+                                                           const block_weight *w, const quantized_rows *x, long i0,
+                                                           long rows, long p, float *y, long ldy) {
+    const long K = w->cols, blocks = K / BLOCK;
+    const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    int sums[TILE_ROWS][PANEL] __attribute__((aligned(64)));
+    unsigned char unpacked[8 * 64] __attribute__((aligned(64)));
+    __m512 acc[TILE_ROWS];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        const unsigned char *codes;
+        if (BITS == 8) {
+            codes = w->codes + (p * (K / 4) + b * (BLOCK / 4)) * 64;
+        } else { /* 4 or 5 bits: unpacked to bytes, where the tile load reads them */
+            const unsigned char *c = w->codes + (p * blocks + b) * 4 * 64;
+            for (int g = 0; g < 4; g++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * g));
+                __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                if (BITS == 5) {
+                    unsigned long long masks[2];
+                    memcpy(masks, w->high + ((p * blocks + b) * 4 + g) * 16, sizeof masks);
+                    low = _mm512_or_si512(low, _mm512_maskz_mov_epi8(masks[0], fifth));
+                    high = _mm512_or_si512(high, _mm512_maskz_mov_epi8(masks[1], fifth));
+                }
+                _mm512_store_si512((void *)(unpacked + 128 * g), low);
+                _mm512_store_si512((void *)(unpacked + 128 * g + 64), high);
+            }
+            codes = unpacked;
+        }
+        _tile_zero(0);
+        _tile_loadd(1, x->codes + i0 * K + b * BLOCK, K);
+        _tile_loadd(2, codes, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, sums, 64);
+        const __m512 scale = _mm512_loadu_ps(w->scale + (p * blocks + b) * PANEL);
+        const __m512 minimum = w->minimum ? _mm512_loadu_ps(w->minimum + (p * blocks + b) * PANEL) : scale;
+        for (int i = 0; i < MR; i++) {
+            const long row = i0 + i, xb = row * (K / X_BLOCK) + b * BLOCK / X_BLOCK;
+            __m512i sum = _mm512_load_si512((const void *)sums[i]);
+            if (w->offset) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(w->offset * block_sum(x, row, BLOCK, b)));
+            const __m512 scales = _mm512_mul_ps(scale, _mm512_set1_ps(x->scales[xb]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, acc[i]);
+            if (w->minimum) acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x->scaled_sums[xb]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MR && i0 + i < rows; i++) _mm512_storeu_ps(y + (i0 + i) * ldy + p * PANEL, acc[i]);
+}
+
+/* Tiles of 16 rows (the last one padded with zero rows, whose results are dropped); a call of 8 rows or fewer, one
+ * of 8 (half the float work after each tile instruction). */
+#define PANELS_AMX(BITS, BLOCK)                                                                                    \
+    static void amx_##BITS##_##BLOCK(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M,  \
+                                     long first, long end) {                                                       \
+        const int tile = M <= 8 ? 8 : TILE_ROWS;                                                                    \
+        amx_configure(tile, BLOCK);                                                                                 \
+        for (long p = first; p < end; p++)                                                                          \
+            for (long i = 0; i < M; i += tile) {                                                                    \
+                if (tile == 8) panel_amx(8, BITS, BLOCK, w, x, i, M, p, y, ldy);                                    \
+                else panel_amx(TILE_ROWS, BITS, BLOCK, w, x, i, M, p, y, ldy);                                      \
+            }                                                                                                       \
+    }
+PANELS_AMX(4, 32)
+PANELS_AMX(5, 32)
+PANELS_AMX(8, 32)
+PANELS_AMX(8, 16)
+#define PADDED_ROWS TILE_ROWS
+#endif
+
 static int panels_fast(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, long first,
                        long end) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (M >= AMX_MIN_ROWS && amx_permitted()) {
+        if (w->block == 32 && w->bits == 4) amx_4_32(w, x, y, ldy, M, first, end);
+        else if (w->block == 32 && w->bits == 5) amx_5_32(w, x, y, ldy, M, first, end);
+        else if (w->block == 32 && w->bits == 8) amx_8_32(w, x, y, ldy, M, first, end);
+        else if (w->block == 16 && w->bits == 8) amx_8_16(w, x, y, ldy, M, first, end);
+        else return 0;
+        return 1;
+    }
+#endif
     if (w->block == 32 && w->bits == 4) panels_4_32(w, x, y, ldy, M, first, end);
     else if (w->block == 32 && w->bits == 5) panels_5_32(w, x, y, ldy, M, first, end);
     else if (w->block == 32 && w->bits == 8) panels_8_32(w, x, y, ldy, M, first, end);
@@ -322,7 +436,16 @@ static int panels_fast(const block_weight *w, const quantized_rows *x, float *y,
 static const char *VERSION = "portable";
 #endif
 
-const char *block_gemm_version(void) { return VERSION; }
+#ifndef PADDED_ROWS
+#define PADDED_ROWS 1
+#endif
+
+const char *block_gemm_version(void) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx_permitted()) return "amx";
+#endif
+    return VERSION;
+}
 
 /* The calling thread's buffers for the quantized rows, kept and grown between calls. */
 static void *rows_scratch(size_t bytes) {
@@ -341,13 +464,16 @@ static void *rows_scratch(size_t bytes) {
  * shares each part's panels among the OpenMP threads. */
 void block_gemm(const block_weight *parts, long count, const float *x, long M, long K, float *y, long ldy,
                 int parallel, int portable) {
-    const size_t codes = (size_t)(M * K), scales = (size_t)(M * (K / X_BLOCK));
+    /* Room for whole tiles of rows where AMX reads them: the padding rows' codes and scales are zeros. */
+    const long padded = (M + PADDED_ROWS - 1) / PADDED_ROWS * PADDED_ROWS;
+    const size_t codes = (size_t)(padded * K), scales = (size_t)(padded * (K / X_BLOCK));
     char *buffer = rows_scratch(codes + 64 + sizeof(float) * 2 * scales + sizeof(int) * 2 * scales + 192);
     quantized_rows q = {(const signed char *)buffer, NULL, NULL, NULL, K};
     float *x_scales = (float *)(buffer + (codes + 63) / 64 * 64);
     float *scaled = x_scales + (scales + 15) / 16 * 16;
     int *sums = (int *)(scaled + (scales + 15) / 16 * 16);
     quantize_rows_q8(x, M, K, (signed char *)buffer, x_scales, sums, scaled);
+    memset(buffer + M * K, 0, (size_t)((padded - M) * K));
     q.scales = x_scales, q.sums16 = sums, q.scaled_sums = scaled;
     long column = 0;
     for (long c = 0; c < count; c++) {
