@@ -89,11 +89,11 @@ def test_the_product_is_the_int8_definition_and_close_to_float32(type_name):
 @pytest.mark.parametrize("type_name", sorted(FORMATS))
 def test_every_row_gets_the_portable_versions_bits_alone_together_and_on_threads(type_name):
     weight, _ = fused(type_name, (64, 768), seed=3)
-    x = torch.randn(37, 768) * torch.logspace(-2, 2, 768)  # outliers, as real activations have; tiles of 16 and a rest
+    x = torch.randn(37, 768) * torch.logspace(-2, 2, 768)  # outliers, as real activations have
     portable = block_gemm(x, weight, portable=True)
     assert torch.equal(block_gemm(x, weight), portable)
     assert torch.equal(block_gemm(x, weight, parallel=True), portable)
-    for rows in (slice(0, 1), slice(3, 7), slice(5, 13), slice(2, 5), slice(0, 8)):  # VNNI and AMX shapes alike
+    for rows in (slice(0, 1), slice(3, 7), slice(5, 13), slice(2, 5), slice(0, 8)):
         assert torch.equal(block_gemm(x[rows], weight), portable[rows])
 
 

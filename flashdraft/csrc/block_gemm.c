@@ -38,15 +38,17 @@
 #define PANEL 16
 #define X_BLOCK 32 /* activation codes per scale */
 
-/* Each activation row rounded to int8 codes, one scale per 32 values (their largest magnitude to 127), with the
- * sum of the codes of every 16 and the scale times the sum of every 32. One scalar routine for every instruction
- * set, so that every version multiplies the same codes. */
-void quantize_rows_q8(const float *x, long M, long K, signed char *codes, float *scales, int *sums16,
+/* Each activation row rounded to int8 codes, one scale per 32 values (their largest magnitude to 127), laid out
+ * block-major, [K/32][rows][32], so that every row's codes of one block sit at a fixed distance from the first
+ * row's (a constant offset in the instruction that broadcasts them); with each block's scale and the scale times
+ * the sum of its codes ([K/32][rows]), and the sum of every 16 codes ([K/16][rows]); `rows` is the layouts' row
+ * count (M or more). One scalar routine for every instruction set, so that every version multiplies the same codes. */
+void quantize_rows_q8(const float *x, long M, long K, long rows, signed char *codes, float *scales, int *sums16,
                       float *scaled_sums) {
     for (long m = 0; m < M; m++)
         for (long b = 0; b < K / X_BLOCK; b++) {
             const float *v = x + m * K + b * X_BLOCK;
-            signed char *c = codes + m * K + b * X_BLOCK;
+            signed char *c = codes + (b * rows + m) * X_BLOCK;
             float largest = 0.0f;
             for (int j = 0; j < X_BLOCK; j++) largest = fabsf(v[j]) > largest ? fabsf(v[j]) : largest;
             const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
@@ -58,25 +60,34 @@ void quantize_rows_q8(const float *x, long M, long K, signed char *codes, float 
                 halves[j / 16] += (int)q;
             }
             const float scale = largest / 127.0f;
-            scales[m * (K / X_BLOCK) + b] = scale;
-            sums16[m * (K / 16) + 2 * b] = halves[0];
-            sums16[m * (K / 16) + 2 * b + 1] = halves[1];
-            scaled_sums[m * (K / X_BLOCK) + b] = scale * (float)(halves[0] + halves[1]);
+            scales[b * rows + m] = scale;
+            sums16[(2 * b) * rows + m] = halves[0];
+            sums16[(2 * b + 1) * rows + m] = halves[1];
+            scaled_sums[b * rows + m] = scale * (float)(halves[0] + halves[1]);
         }
 }
 
 typedef struct {
-    const signed char *codes;
-    const float *scales;
-    const int *sums16;
-    const float *scaled_sums;
-    long K;
+    const signed char *codes;  /* [K/32][rows][32] */
+    const float *scales;       /* [K/32][rows] */
+    const float *scaled_sums;  /* [K/32][rows] */
+    const int *corrections;    /* [K/block][rows]: the weight's offset times the sum of the block's codes */
+    long rows;
 } quantized_rows;
 
-static inline int block_sum(const quantized_rows *x, long row, int block, long b) {
-    const int *s = x->sums16 + row * (x->K / 16);
-    return block == 16 ? s[b] : s[2 * b] + s[2 * b + 1];
+/* Row `row`'s codes of weight block b (of `block` values). */
+static inline const signed char *row_codes(const quantized_rows *x, long row, int block, long b) {
+    const long k = b * block;
+    return x->codes + ((k / X_BLOCK) * x->rows + row) * X_BLOCK + k % X_BLOCK;
 }
+
+/* The activation scales of weight block b for rows from `row` on (one a row). */
+static inline const float *row_scales(const quantized_rows *x, long row, int block, long b) {
+    return x->scales + (b * block / X_BLOCK) * x->rows + row;
+}
+
+/* A 32-bit lane of four codes, loaded so that the compiler may fold it into the instruction that broadcasts it. */
+typedef int aliased_int __attribute__((may_alias, aligned(1)));
 
 /* ---- the portable version: every version's definition ---- */
 
@@ -103,13 +114,13 @@ static void panels_portable(const block_weight *w, const quantized_rows *x, floa
             for (long i = 0; i < M; i++) {
                 float acc = 0.0f;
                 for (long b = 0; b < blocks; b++) {
+                    const signed char *codes = row_codes(x, i, w->block, b);
                     int sum = 0;
-                    for (long k = b * w->block; k < (b + 1) * w->block; k++)
-                        sum += code_at(w, n, k) * x->codes[i * K + k];
-                    sum -= w->offset * block_sum(x, i, w->block, b);
-                    const long at = (p * blocks + b) * PANEL + r, xb = i * (K / X_BLOCK) + b * w->block / X_BLOCK;
-                    acc = fmaf((float)sum, w->scale[at] * x->scales[xb], acc);
-                    if (w->minimum) acc = fmaf(w->minimum[at], x->scaled_sums[xb], acc);
+                    for (long k = 0; k < w->block; k++) sum += code_at(w, n, b * w->block + k) * codes[k];
+                    sum -= x->corrections[b * x->rows + i];
+                    const long at = (p * blocks + b) * PANEL + r;
+                    acc = fmaf((float)sum, w->scale[at] * *row_scales(x, i, w->block, b), acc);
+                    if (w->minimum) acc = fmaf(w->minimum[at], x->scaled_sums[b * x->rows + i], acc);
                 }
                 y[i * ldy + n] = acc;
             }
@@ -118,14 +129,9 @@ static void panels_portable(const block_weight *w, const quantized_rows *x, floa
 
 /* ---- AVX-512 VNNI: a panel's 16 outputs in one vector per activation row ---- */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define MAX_ROWS 6 /* activation rows per pass over a panel's block: 8 weight vectors, 6 sums and 6 accumulators in
-                    * registers, with room to spare (8 rows spilled) */
+#define MAX_ROWS 8 /* activation rows per pass over a panel's block */
 
-static inline __m512i broadcast4(const signed char *p) {
-    int v;
-    memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
-}
+static inline __m512i broadcast4(const signed char *p) { return _mm512_set1_epi32(*(const aliased_int *)p); }
 
 static inline __attribute__((always_inline)) void panel_avx512(const int MR, const int BITS, const int BLOCK,
                                                               const block_weight *w, const quantized_rows *x,
@@ -133,7 +139,7 @@ static inline __attribute__((always_inline)) void panel_avx512(const int MR, con
     const long K = w->cols, blocks = K / BLOCK;
     const int vectors = BLOCK / 4; /* 64-byte weight vectors a block: 4 codes of 16 rows each */
     const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
-    __m512 acc[MAX_ROWS];
+    __m512 acc[8];
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (long b = 0; b < blocks; b++) {
         __m512i wv[8];
@@ -159,19 +165,20 @@ static inline __attribute__((always_inline)) void panel_avx512(const int MR, con
         /* Rows innermost, so that their sums are independent chains of VNNI instructions (one row's chain of 8
          * would wait on each instruction's latency); with few rows, each row's sum in two halves as well. */
         const int split = MR <= 4 ? 2 : 1;
-        __m512i sums[MAX_ROWS][2];
+        const signed char *codes = row_codes(x, i0, BLOCK, b); /* row i's at codes + 32 i */
+        const int *corrections = x->corrections + b * x->rows + i0;
+        const float *scales = row_scales(x, i0, BLOCK, b), *scaled_sums = x->scaled_sums + b * x->rows + i0;
+        __m512i sums[8][2];
         for (int i = 0; i < MR; i++) sums[i][0] = sums[i][1] = _mm512_setzero_si512();
         for (int t = 0; t < vectors; t++)
             for (int i = 0; i < MR; i++)
                 sums[i][t % split] = _mm512_dpbusd_epi32(sums[i][t % split], wv[t],
-                                                         broadcast4(x->codes + (i0 + i) * K + b * BLOCK + 4 * t));
+                                                         broadcast4(codes + X_BLOCK * i + 4 * t));
         for (int i = 0; i < MR; i++) {
-            const long row = i0 + i, xb = row * (K / X_BLOCK) + b * BLOCK / X_BLOCK;
             __m512i sum = split == 2 ? _mm512_add_epi32(sums[i][0], sums[i][1]) : sums[i][0];
-            if (w->offset) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(w->offset * block_sum(x, row, BLOCK, b)));
-            const __m512 scales = _mm512_mul_ps(scale, _mm512_set1_ps(x->scales[xb]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, acc[i]);
-            if (w->minimum) acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x->scaled_sums[xb]), acc[i]);
+            if (w->offset) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(corrections[i]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(scales[i])), acc[i]);
+            if (w->minimum) acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(scaled_sums[i]), acc[i]);
         }
     }
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(y + (i0 + i) * ldy + p * PANEL, acc[i]);
@@ -182,6 +189,8 @@ static inline __attribute__((always_inline)) void panel_avx512(const int MR, con
                                         long first, long end) {                                                    \
         for (long p = first; p < end; p++)                                                                         \
             for (long i = 0; i < M; i += MAX_ROWS) switch (M - i < MAX_ROWS ? M - i : MAX_ROWS) {                  \
+                case 8: panel_avx512(8, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
+                case 7: panel_avx512(7, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
                 case 6: panel_avx512(6, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
                 case 5: panel_avx512(5, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
                 case 4: panel_avx512(4, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
@@ -195,122 +204,8 @@ PANELS_AVX512(5, 32)
 PANELS_AVX512(8, 32)
 PANELS_AVX512(8, 16)
 
-/* ---- AMX (Intel's tile unit, where the CPU and the kernel offer it): from AMX_MIN_ROWS rows on, a weight block's
- * products for up to 16 rows in one tile instruction: A = the rows' codes of the block [rows][block], B = the panel's
- * codes in exactly the panel layout [block / 4][16 outputs][4], C = the int32 sums [rows][16 outputs]; the float work
- * after it is the VNNI version's, so the bits are too. Rows are read in tiles of TILE_ROWS, the quantized rows padded
- * with zero rows to a whole tile (`block_gemm`), so one tile shape serves a whole call. ---- */
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define AMX_MIN_ROWS 4
-#define TILE_ROWS 16
-
-typedef struct {
-    unsigned char palette, start_row, reserved[14];
-    unsigned short bytes_per_row[16];
-    unsigned char rows[16];
-} tile_config;
-
-static int amx_permitted(void) { /* Linux hands out the tile state only on request, once a process */
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return permitted;
-}
-
-/* On every call, on every thread: another library (oneDNN inside torch) may have set other tile shapes since. */
-static void amx_configure(int rows, int block) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    config.rows[0] = rows, config.bytes_per_row[0] = 64;        /* C: int32 sums of 16 outputs */
-    config.rows[1] = rows, config.bytes_per_row[1] = block;     /* A: the rows' codes of one weight block */
-    config.rows[2] = block / 4, config.bytes_per_row[2] = 64;   /* B: the panel's codes, 4 of 16 outputs a row */
-    /* GCC does not count the instruction's read of `config`, and drops the stores above without this barrier. */
-    __asm__ __volatile__("" : : "r"(&config) : "memory");
-    _tile_loadconfig(&config);
-}
-
-static inline __attribute__((always_inline)) void panel_amx(const int MR, const int BITS, const int BLOCK,
-                                                           const block_weight *w, const quantized_rows *x, long i0,
-                                                           long rows, long p, float *y, long ldy) {
-    const long K = w->cols, blocks = K / BLOCK;
-    const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
-    int sums[TILE_ROWS][PANEL] __attribute__((aligned(64)));
-    unsigned char unpacked[8 * 64] __attribute__((aligned(64)));
-    __m512 acc[TILE_ROWS];
-    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
-    for (long b = 0; b < blocks; b++) {
-        const unsigned char *codes;
-        if (BITS == 8) {
-            codes = w->codes + (p * (K / 4) + b * (BLOCK / 4)) * 64;
-        } else { /* 4 or 5 bits: unpacked to bytes, where the tile load reads them */
-            const unsigned char *c = w->codes + (p * blocks + b) * 4 * 64;
-            for (int g = 0; g < 4; g++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * g));
-                __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                if (BITS == 5) {
-                    unsigned long long masks[2];
-                    memcpy(masks, w->high + ((p * blocks + b) * 4 + g) * 16, sizeof masks);
-                    low = _mm512_or_si512(low, _mm512_maskz_mov_epi8(masks[0], fifth));
-                    high = _mm512_or_si512(high, _mm512_maskz_mov_epi8(masks[1], fifth));
-                }
-                _mm512_store_si512((void *)(unpacked + 128 * g), low);
-                _mm512_store_si512((void *)(unpacked + 128 * g + 64), high);
-            }
-            codes = unpacked;
-        }
-        _tile_zero(0);
-        _tile_loadd(1, x->codes + i0 * K + b * BLOCK, K);
-        _tile_loadd(2, codes, 64);
-        _tile_dpbsud(0, 1, 2);
-        _tile_stored(0, sums, 64);
-        const __m512 scale = _mm512_loadu_ps(w->scale + (p * blocks + b) * PANEL);
-        const __m512 minimum = w->minimum ? _mm512_loadu_ps(w->minimum + (p * blocks + b) * PANEL) : scale;
-        for (int i = 0; i < MR; i++) {
-            const long row = i0 + i, xb = row * (K / X_BLOCK) + b * BLOCK / X_BLOCK;
-            __m512i sum = _mm512_load_si512((const void *)sums[i]);
-            if (w->offset) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(w->offset * block_sum(x, row, BLOCK, b)));
-            const __m512 scales = _mm512_mul_ps(scale, _mm512_set1_ps(x->scales[xb]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, acc[i]);
-            if (w->minimum) acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x->scaled_sums[xb]), acc[i]);
-        }
-    }
-    for (int i = 0; i < MR && i0 + i < rows; i++) _mm512_storeu_ps(y + (i0 + i) * ldy + p * PANEL, acc[i]);
-}
-
-/* Tiles of 16 rows (the last one padded with zero rows, whose results are dropped); a call of 8 rows or fewer, one
- * of 8 (half the float work after each tile instruction). */
-#define PANELS_AMX(BITS, BLOCK)                                                                                    \
-    static void amx_##BITS##_##BLOCK(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M,  \
-                                     long first, long end) {                                                       \
-        const int tile = M <= 8 ? 8 : TILE_ROWS;                                                                    \
-        amx_configure(tile, BLOCK);                                                                                 \
-        for (long p = first; p < end; p++)                                                                          \
-            for (long i = 0; i < M; i += tile) {                                                                    \
-                if (tile == 8) panel_amx(8, BITS, BLOCK, w, x, i, M, p, y, ldy);                                    \
-                else panel_amx(TILE_ROWS, BITS, BLOCK, w, x, i, M, p, y, ldy);                                      \
-            }                                                                                                       \
-    }
-PANELS_AMX(4, 32)
-PANELS_AMX(5, 32)
-PANELS_AMX(8, 32)
-PANELS_AMX(8, 16)
-#define PADDED_ROWS TILE_ROWS
-#endif
-
 static int panels_fast(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, long first,
                        long end) {
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-    if (M >= AMX_MIN_ROWS && amx_permitted()) {
-        if (w->block == 32 && w->bits == 4) amx_4_32(w, x, y, ldy, M, first, end);
-        else if (w->block == 32 && w->bits == 5) amx_5_32(w, x, y, ldy, M, first, end);
-        else if (w->block == 32 && w->bits == 8) amx_8_32(w, x, y, ldy, M, first, end);
-        else if (w->block == 16 && w->bits == 8) amx_8_16(w, x, y, ldy, M, first, end);
-        else return 0;
-        return 1;
-    }
-#endif
     if (w->block == 32 && w->bits == 4) panels_4_32(w, x, y, ldy, M, first, end);
     else if (w->block == 32 && w->bits == 5) panels_5_32(w, x, y, ldy, M, first, end);
     else if (w->block == 32 && w->bits == 8) panels_8_32(w, x, y, ldy, M, first, end);
@@ -325,11 +220,7 @@ static const char *VERSION = "avx512-vnni";
 #elif defined(__AVX2__)
 #define MAX_ROWS 4
 
-static inline __m256i broadcast4(const signed char *p) {
-    int v;
-    memcpy(&v, p, sizeof v);
-    return _mm256_set1_epi32(v);
-}
+static inline __m256i broadcast4(const signed char *p) { return _mm256_set1_epi32(*(const aliased_int *)p); }
 
 static inline __m256i bytes_of_bits(unsigned int bits) { /* byte i: 0xFF where bit i is set */
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
@@ -375,6 +266,9 @@ static inline __attribute__((always_inline)) void panel_avx2(const int MR, const
         }
         const __m256 scale = _mm256_loadu_ps(w->scale + (p * blocks + b) * PANEL + 8 * half);
         const __m256 minimum = w->minimum ? _mm256_loadu_ps(w->minimum + (p * blocks + b) * PANEL + 8 * half) : scale;
+        const signed char *codes = row_codes(x, i0, BLOCK, b); /* row i's at codes + 32 i */
+        const int *corrections = x->corrections + b * x->rows + i0;
+        const float *scales = row_scales(x, i0, BLOCK, b), *scaled_sums = x->scaled_sums + b * x->rows + i0;
         __m256i sums[MAX_ROWS]; /* rows innermost: independent chains */
         for (int i = 0; i < MR; i++) sums[i] = _mm256_setzero_si256();
         for (int t = 0; t < vectors; t++) {
@@ -382,19 +276,17 @@ static inline __attribute__((always_inline)) void panel_avx2(const int MR, const
             const __m256i high = BITS == 8 ? _mm256_and_si256(_mm256_srli_epi16(wv[t], 4), low4) : wv[t];
             const __m256i low = BITS == 8 ? _mm256_and_si256(wv[t], low4) : wv[t];
             for (int i = 0; i < MR; i++) {
-                const __m256i xv = broadcast4(x->codes + (i0 + i) * K + b * BLOCK + 4 * t);
+                const __m256i xv = broadcast4(codes + X_BLOCK * i + 4 * t);
                 sums[i] = BITS == 8 ? _mm256_add_epi32(sums[i], _mm256_add_epi32(_mm256_slli_epi32(dot4(high, xv), 4),
                                                                                  dot4(low, xv)))
                                     : _mm256_add_epi32(sums[i], dot4(low, xv));
             }
         }
         for (int i = 0; i < MR; i++) {
-            const long row = i0 + i, xb = row * (K / X_BLOCK) + b * BLOCK / X_BLOCK;
             __m256i sum = sums[i];
-            if (w->offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(w->offset * block_sum(x, row, BLOCK, b)));
-            const __m256 scales = _mm256_mul_ps(scale, _mm256_set1_ps(x->scales[xb]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scales, acc[i]);
-            if (w->minimum) acc[i] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x->scaled_sums[xb]), acc[i]);
+            if (w->offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(corrections[i]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(scales[i])), acc[i]);
+            if (w->minimum) acc[i] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(scaled_sums[i]), acc[i]);
         }
     }
     for (int i = 0; i < MR; i++) _mm256_storeu_ps(y + (i0 + i) * ldy + p * PANEL + 8 * half, acc[i]);
@@ -436,16 +328,7 @@ static int panels_fast(const block_weight *w, const quantized_rows *x, float *y,
 static const char *VERSION = "portable";
 #endif
 
-#ifndef PADDED_ROWS
-#define PADDED_ROWS 1
-#endif
-
-const char *block_gemm_version(void) {
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-    if (amx_permitted()) return "amx";
-#endif
-    return VERSION;
-}
+const char *block_gemm_version(void) { return VERSION; }
 
 /* The calling thread's buffers for the quantized rows, kept and grown between calls. */
 static void *rows_scratch(size_t bytes) {
@@ -464,21 +347,23 @@ static void *rows_scratch(size_t bytes) {
  * shares each part's panels among the OpenMP threads. */
 void block_gemm(const block_weight *parts, long count, const float *x, long M, long K, float *y, long ldy,
                 int parallel, int portable) {
-    /* Room for whole tiles of rows where AMX reads them: the padding rows' codes and scales are zeros. */
-    const long padded = (M + PADDED_ROWS - 1) / PADDED_ROWS * PADDED_ROWS;
-    const size_t codes = (size_t)(padded * K), scales = (size_t)(padded * (K / X_BLOCK));
-    char *buffer = rows_scratch(codes + 64 + sizeof(float) * 2 * scales + sizeof(int) * 2 * scales + 192);
-    quantized_rows q = {(const signed char *)buffer, NULL, NULL, NULL, K};
-    float *x_scales = (float *)(buffer + (codes + 63) / 64 * 64);
-    float *scaled = x_scales + (scales + 15) / 16 * 16;
-    int *sums = (int *)(scaled + (scales + 15) / 16 * 16);
-    quantize_rows_q8(x, M, K, (signed char *)buffer, x_scales, sums, scaled);
-    memset(buffer + M * K, 0, (size_t)((padded - M) * K));
-    q.scales = x_scales, q.sums16 = sums, q.scaled_sums = scaled;
+    const long rows = M, blocks32 = K / X_BLOCK;
+    const size_t code_bytes = (size_t)(rows * K + 63) / 64 * 64, per_block = (size_t)(rows * blocks32);
+    char *buffer = rows_scratch(code_bytes + sizeof(float) * 2 * per_block + sizeof(int) * 4 * per_block);
+    signed char *codes = (signed char *)buffer;
+    float *scales = (float *)(buffer + code_bytes), *scaled_sums = scales + per_block;
+    int *sums16 = (int *)(scaled_sums + per_block), *corrections = sums16 + 2 * per_block;
+    quantize_rows_q8(x, M, K, rows, codes, scales, sums16, scaled_sums);
+    const quantized_rows q = {codes, scales, scaled_sums, corrections, rows};
     long column = 0;
     for (long c = 0; c < count; c++) {
         const block_weight *w = &parts[c];
-        const long panels = w->rows / PANEL;
+        const long panels = w->rows / PANEL, blocks = K / w->block;
+        for (long b = 0; b < blocks; b++) /* the weight's integer offset times each block's sum of codes */
+            for (long m = 0; m < rows; m++)
+                corrections[b * rows + m] = w->offset * (w->block == 16 ? sums16[b * rows + m]
+                                                                          : sums16[2 * b * rows + m] +
+                                                                                sums16[(2 * b + 1) * rows + m]);
         float *out = y + column;
         long chunks = 1;
 #ifdef _OPENMP
