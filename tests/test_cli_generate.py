@@ -38,6 +38,7 @@ def test_generate_streams_the_target_greedy_answer(folders, capsys, extra):
     out, err = capsys.readouterr()
     assert code == 0
     assert out == expected_text(target, tokenizer, "w3 w4 w5", 24, chat="--no-chat-template" not in extra) + "\n"
+    assert err.startswith(f"Loading {root / 'target'} ...\n")  # one line while torch and the models load
     assert "[24 tokens" in err and "tokens/s" in err
     if extra == ["--block-size", "1"]:
         assert "no speculation (block size 1)" in err
