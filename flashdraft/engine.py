@@ -796,10 +796,11 @@ class DraftEngine:
         # never change the output, and its 8-row products are bound by arithmetic (BENCHMARKS.md, "How threads
         # wait, and the draft pass on the engine"). FLASHDRAFT_DRAFT_BF16=0: float32 arithmetic, the module's results.
         self.bf16_dot = native.bf16_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_BF16", "1") != "0"
-        # Where the CPU has AVX512_VNNI a shipped (bfloat16) draft's products go further, in 8-bit integers: its
-        # weights rounded to int8 a row, half the bytes again, the pass ~20% shorter and replay tau unchanged
-        # (BENCHMARKS.md, "8-bit draft products"). FLASHDRAFT_DRAFT_INT8=0: bfloat16 arithmetic.
-        self.int8_dot = native.int8_dot_available() and os.environ.get("FLASHDRAFT_DRAFT_INT8", "1") != "0"
+        # A shipped (bfloat16) draft's products go further, in 8-bit integers: its weights rounded to GGUF's Q8_0
+        # form (one scale per 32), its activations to 8-bit codes per 32, on the int8 kernel the target's int8
+        # arithmetic runs on (`quantized.block_gemm`: AVX-512 VNNI, AVX2 or plain C). FLASHDRAFT_DRAFT_INT8=0:
+        # bfloat16 arithmetic.
+        self.int8_dot = native.available() and os.environ.get("FLASHDRAFT_DRAFT_INT8", "1") != "0"
         self._head: tuple | None = None  # (made from, packed head) for `logits`
         self._whole: tuple | None = None  # (made from, native.DraftWeights) for `block`
         self.use_native_layers = True  # False: the layer step by step, for comparisons
@@ -831,7 +832,7 @@ class DraftEngine:
         # A draft whose weights are all bfloat16 values (as shipped) also reads its head in bfloat16 arithmetic; one
         # in training (float32 weights) stays in float32 throughout.
         self.bfloat16_weights = all(getattr(f.packed, "format", None) == "bf16" for f in self.forms.values())
-        self.int8 = ({id(w): native.pack_int8(w) for w in weights if not w.shape[1] % native.INT8_K_MULTIPLE}
+        self.int8 = ({id(w): quantized.q8_blocks(w) for w in weights if quantized.fits(w)}
                      if self.int8_dot and self.bfloat16_weights else {})
         self.native_layers = None  # each layer one native call, where all its products are 8-bit
         if self.native_attention and all(id(w) in self.int8 for layer in self.layers for w in _layer_products(layer)):
@@ -843,23 +844,23 @@ class DraftEngine:
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         forms, product = self.forms[id(weight)], self.engine.kernels.product(kind, x.shape[0])
         if id(weight) in self.int8:
-            return native.int8_dot_gemm(x, self.int8[id(weight)], parallel=product is _native_parallel)
+            return quantized.block_gemm(x, self.int8[id(weight)], parallel=product is _native_parallel)
         packed = forms.packed
         if self.bf16_dot and packed is not None and packed.format == "bf16" and not weight.shape[1] % native.BLOCK:
             return native.bf16_dot_gemm(x, packed, parallel=product is _native_parallel)
         return product(x, weight, forms)
 
-    def _packed_head(self, head: nn.Linear) -> native.PackedWeight | None:
+    def _packed_head(self, head: nn.Linear) -> native.PackedWeight | quantized.FusedBlocks | None:
         """The head's weight rounded for the draft's arithmetic (8-bit, else bfloat16; made again when the weight
         changes), or None where the head runs as it is: a draft not in bfloat16 values (in training), a bias."""
         weight = head.weight
-        int8 = bool(self.int8) and not weight.shape[1] % native.INT8_K_MULTIPLE
+        int8 = bool(self.int8) and quantized.fits(weight)
         if (not ((self.bf16_dot or int8) and self.bfloat16_weights) or head.bias is not None
                 or weight.dtype != torch.float32 or weight.shape[1] % native.BLOCK):
             return None
         made_from = (weight.data_ptr(), weight._version, int8)
         if self._head is None or self._head[0] != made_from:
-            self._head = made_from, (native.pack_int8 if int8 else native.pack_bfloat16)(weight.detach())
+            self._head = made_from, (quantized.q8_blocks if int8 else native.pack_bfloat16)(weight.detach())
         return self._head[1]
 
     @torch.no_grad()
@@ -870,7 +871,7 @@ class DraftEngine:
         if packed is None:
             return head(hidden.to(head.weight.dtype))
         parallel = self.engine.kernels.product("head", hidden.shape[0]) is _native_parallel
-        multiply = native.int8_dot_gemm if packed.format == "int8" else native.bf16_dot_gemm
+        multiply = quantized.block_gemm if packed.format == "blocks" else native.bf16_dot_gemm
         return multiply(hidden, packed, parallel)
 
     @torch.no_grad()
@@ -890,7 +891,7 @@ class DraftEngine:
                 or embedding.weight.dtype != torch.float32 or features.shape[0] != 1 or id(self.fc) not in self.int8):
             return None
         head_weight = self._packed_head(head)
-        if head_weight is None or head_weight.format != "int8":
+        if head_weight is None or head_weight.format != "blocks":
             return None
         made_from = (self._made_from, self._head[0], embedding.weight.data_ptr(), embedding.weight._version)
         if self._whole is None or self._whole[0] != made_from:

@@ -96,9 +96,6 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
         function.restype = None
     loaded.bf16_dot_available.restype = ctypes.c_int
-    loaded.int8_dot_available.restype = ctypes.c_int
-    loaded.int8_dot_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    loaded.int8_dot_gemm.restype = None
     loaded.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                 ctypes.c_long, ctypes.c_long, ctypes.c_float]
     loaded.rms_norm.restype = None
@@ -178,19 +175,17 @@ LANES_PER_VECTOR = 16  # the kernel unpacks whole vectors of 16 weights: K must 
 @dataclass(frozen=True)
 class PackedWeight:
     """A float32 weight [N, K] held exactly in fewer bytes (see `pack`): what the native kernel reads instead; or,
-    for a draft's products only, rounded to 8 bits a row (`pack_int8`)."""
+    for a draft's products only, rounded to bfloat16 (`pack_bfloat16`)."""
 
     format: str
     shape: tuple[int, int]
-    data: torch.Tensor  # bf16: int16 [N, K]; q8_0 and int8: int8 [N, K]; q4_1: uint8 [N, K / 2]
-    scale: torch.Tensor | None = None  # float32 [N, K / 32]; int8: [N]
+    data: torch.Tensor  # bf16: int16 [N, K]; q8_0: int8 [N, K]; q4_1: uint8 [N, K / 2]
+    scale: torch.Tensor | None = None  # float32 [N, K / 32]
     minimum: torch.Tensor | None = None  # float32 [N, K / 32], q4_1 only
-    row_sums: torch.Tensor | None = None  # int32 [N], int8 only: each row's sum of codes
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.minimum, self.row_sums)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.minimum) if t is not None)
 
     def unpack(self) -> torch.Tensor:
         """The float32 weight again (in torch, for tests and checks)."""
@@ -199,8 +194,6 @@ class PackedWeight:
             return self.data.view(torch.bfloat16).float()
         if self.format == "q8_0":
             return torch.mul(self.data.float().view(n, k // BLOCK, BLOCK), self.scale[..., None]).view(n, k)
-        if self.format == "int8":
-            return self.data.float() * self.scale[:, None]
         low, high = self.data.view(n, k // BLOCK, BLOCK // 2) & 15, self.data.view(n, k // BLOCK, BLOCK // 2) >> 4
         q = torch.cat([low, high], dim=-1).float()
         return torch.add(torch.mul(self.scale[..., None], q), self.minimum[..., None]).view(n, k)
@@ -338,9 +331,6 @@ def bf16_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False)
     return out
 
 
-INT8_K_MULTIPLE = 64  # the int8 kernel reads 64 codes of a row at a time
-
-
 def _check_dot_inputs(name: str, x: torch.Tensor, weight: PackedWeight, form: str, k_multiple: int) -> None:
     """A draft product's inputs: a `form`-packed weight with K a multiple of `k_multiple`, x float32 [M, K] on CPU."""
     if weight.format != form or weight.shape[1] % k_multiple:
@@ -349,40 +339,6 @@ def _check_dot_inputs(name: str, x: torch.Tensor, weight: PackedWeight, form: st
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"{name} multiplies float32 [M, {weight.shape[1]}] on CPU by the packed weight, "
                          f"not {x.dtype} {tuple(x.shape)} on {x.device}")
-
-
-def int8_dot_available() -> bool:
-    """Whether the kernel was built with 8-bit integer dot products (a CPU with AVX512_VNNI, e.g. AMD Zen 4, Intel
-    Cascade Lake and later), for `int8_dot_gemm`."""
-    library = _build()[0]
-    return library is not None and bool(library.int8_dot_available())
-
-
-def pack_int8(weight: torch.Tensor) -> PackedWeight:
-    """`weight` (float32 [N, K]) rounded to 8-bit codes with one scale a row (its largest magnitude to 127): an
-    approximation, for a draft's `int8_dot_gemm` only. Half the bytes of bfloat16."""
-    weight = weight.detach().float()
-    largest = weight.abs().amax(dim=1)
-    scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
-    codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    return PackedWeight("int8", tuple(weight.shape), codes, scale.contiguous(),
-                        row_sums=codes.sum(dim=1, dtype=torch.int32).contiguous())
-
-
-def int8_dot_gemm(x: torch.Tensor, weight: PackedWeight, parallel: bool = False) -> torch.Tensor:
-    """`x @ W.T` in 8-bit integers for an int8-packed W (`pack_int8`): each row of x rounded to 8-bit codes with its
-    own scale, products summed exactly in int32 by AVX-512 VNNI, then scaled. An approximation of the float32
-    product (~1% of a typical output), for a draft's proposals, never for the target's logits. K a multiple of 64."""
-    if not int8_dot_available():
-        raise RuntimeError("8-bit dot products are unavailable here: the native kernel was not built for a CPU "
-                           f"with AVX512_VNNI ({unavailable_reason() or 'this CPU lacks it'})")
-    _check_dot_inputs("int8_dot_gemm", x, weight, "int8", INT8_K_MULTIPLE)
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0])
-    _build()[0].int8_dot_gemm(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(),
-                              weight.row_sums.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
-                              int(parallel))
-    return out
 
 
 class _LayerWeight(ctypes.Structure):
@@ -397,7 +353,7 @@ class _DecoderLayer(ctypes.Structure):
 
 
 # a product's weight in `decoder_layer` (csrc: layer_weight)
-LAYER_FORMATS = {"float32": 0, **FORMATS, "int8": 4, "blocks": 5}
+LAYER_FORMATS = {"float32": 0, **FORMATS, "blocks": 5}
 
 
 @dataclass
@@ -413,26 +369,24 @@ class DecoderLayer:
     head_dim: int
 
 
-def _layer_weight(what: str, weight: torch.Tensor | PackedWeight, expected: tuple[int, int]) -> _LayerWeight:
+def _layer_weight(what: str, weight, expected: tuple[int, int]) -> _LayerWeight:
     """A product's weight as the native layer kernels read it (csrc: layer_weight), checked against its shape."""
     if getattr(weight, "format", None) == "blocks":  # GGUF blocks for int8 arithmetic (`quantized.FusedBlocks`)
         table = _LayerWeight(LAYER_FORMATS["blocks"], ctypes.addressof(weight.tables), None, None, weight.shape[0],
                              len(weight.parts))
         form, shape, usable = "blocks", tuple(weight.shape), True
     elif isinstance(weight, PackedWeight):
-        form, shape = weight.format, tuple(weight.shape)
-        usable = form != "int8" or (int8_dot_available() and not shape[1] % INT8_K_MULTIPLE)
-        extra = weight.row_sums if form == "int8" else weight.minimum
+        form, shape, usable = weight.format, tuple(weight.shape), True
         table = _LayerWeight(LAYER_FORMATS[form], weight.data.data_ptr(),
                              weight.scale.data_ptr() if weight.scale is not None else None,
-                             extra.data_ptr() if extra is not None else None, shape[0])
+                             weight.minimum.data_ptr() if weight.minimum is not None else None, shape[0])
     else:
         form, shape = "float32", tuple(weight.shape)
         usable = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
         table = _LayerWeight(0, weight.data_ptr(), None, None, shape[0])
     if not usable or shape != expected:
-        raise ValueError(f"{what} must be {expected} (float32 and contiguous, packed, or 8-bit with K a multiple of "
-                         f"{INT8_K_MULTIPLE} where the CPU has AVX512_VNNI), not {form} {shape}")
+        raise ValueError(f"{what} must be {expected} (float32 and contiguous, packed, or in 8-bit blocks), not "
+                         f"{form} {shape}")
     return table
 
 
@@ -442,7 +396,7 @@ def pack_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qk_norm: torch
                head_dim: int) -> DecoderLayer:
     """A Llama/Qwen-style layer (or a DFlash draft's) for `decoder_layer`: its norms (float32 [d]; the q/k norms
     [heads + kv_heads, head_dim] or None), the q/k/v bias or None, and its products, each a float32 weight or a
-    packed one (`pack`'s exact forms, or a draft's `pack_int8` codes where the CPU has AVX512_VNNI): q/k/v fused
+    packed one (`pack`'s exact forms), or GGUF-style blocks for int8 products (`quantized.FusedBlocks`): q/k/v fused
     [(heads + 2 kv_heads) head_dim, d], o [d, heads head_dim], gate/up fused [2F, d], down [d, F]."""
     if not attention_fits(heads, kv_heads, head_dim):
         raise ValueError(f"a native layer takes heads a multiple of the key/value heads and head_dim 64 or 128, not "

@@ -392,3 +392,20 @@ def fused_blocks(blocks: GGUFBlocks, names: Sequence[str], weights: Sequence[tor
                              f"damaged or belongs to another model; delete it (it is extracted again)")
         parts.append(BlockWeight.of(codes))
     return FusedBlocks.of(parts)
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether a weight [N, K] takes the kernel's layout: N a multiple of 16, K of 32."""
+    return weight.dim() == 2 and not weight.shape[0] % PANEL and not weight.shape[1] % X_BLOCK
+
+
+def q8_blocks(weight: torch.Tensor) -> FusedBlocks:
+    """A float weight [N, K] rounded to GGUF's Q8_0 form (8-bit codes, one scale per 32: the largest magnitude to
+    127) and laid out for `block_gemm`: an approximation, for a draft's products (its proposals never change what
+    is generated, only how much of it a round accepts)."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // X_BLOCK, X_BLOCK)
+    scale = blocks.abs().amax(-1) / 127
+    codes = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0.0).round().clamp(-127, 127)
+    codes = (codes.to(torch.int16) + FORMATS["Q8_0"].offset).to(torch.uint8).reshape(n, k)
+    return FusedBlocks.of([BlockWeight.of(Codes("Q8_0", codes.numpy(), scale.numpy(), None))])

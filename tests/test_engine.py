@@ -459,7 +459,7 @@ def test_a_bfloat16_draft_computes_in_8_bit_integers_where_the_cpu_can(monkeypat
         expected_logits = head(expected[0])
     ours = fast(noise, features, positions)
     logits = fast.logits(ours[0], head)
-    int8 = native.int8_dot_available() and setting == "default"
+    int8 = native.available() and setting == "default"
     assert bool(fast.int8) == int8 and len(fast.int8) == (9 if int8 else 0)  # fc and 4 products in each layer
     error = (ours - expected).abs().max() / expected.abs().max()
     logits_error = (logits - expected_logits).abs().max() / expected_logits.abs().max()
@@ -472,7 +472,7 @@ def test_a_bfloat16_draft_computes_in_8_bit_integers_where_the_cpu_can(monkeypat
     assert training.int8 == {}  # a draft in training keeps its own arithmetic
 
 
-@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above covers its absence)")
+@pytest.mark.skipif(not native.available(), reason="needs the native kernels (the test above covers their absence)")
 def test_an_8_bit_draft_runs_each_layer_in_one_native_call_with_the_same_result():
     model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)  # head_dim 64, every K a multiple of 64
     target = TargetModel(model, engine="flashdraft")
@@ -501,7 +501,7 @@ def test_an_8_bit_draft_runs_each_layer_in_one_native_call_with_the_same_result(
     assert full.length == 62
 
 
-@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above covers its absence)")
+@pytest.mark.skipif(not native.available(), reason="needs the native kernels (the test above covers their absence)")
 @pytest.mark.parametrize("drafting_vocabulary", [False, True])
 def test_an_8_bit_drafts_whole_pass_is_one_native_call_with_the_same_proposals(monkeypatch, drafting_vocabulary):
     model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)
@@ -539,7 +539,7 @@ def test_an_8_bit_drafts_whole_pass_is_one_native_call_with_the_same_proposals(m
                            proposers["layers"].cache.keys[layer][..., :start, :])
 
 
-@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above covers its absence)")
+@pytest.mark.skipif(not native.available(), reason="needs the native kernels (the test above covers their absence)")
 @pytest.mark.parametrize("proposals", ["dflash", "hybrid"])
 def test_decoding_on_an_8_bit_drafts_whole_pass_stays_exact(monkeypatch, proposals):
     model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft import native
+from flashdraft import native, quantized
 from flashdraft.engine import Engine, KernelChoice, KernelLinear, available_products
 
 requires_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
@@ -122,7 +122,7 @@ def test_a_failing_compiler_is_reported_not_raised(rebuilt, tmp_path):
     rebuilt.setenv("FLASHDRAFT_HOME", str(tmp_path / "home"))
     rebuilt.setenv("CC", str(compiler))
     assert not native.available()
-    assert native.unavailable_reason() == f"compiling small_gemm.c with {compiler} failed: error: no way"
+    assert native.unavailable_reason() == f"compiling the native kernels with {compiler} failed: error: no way"
     assert not list((tmp_path / "home" / "native").glob("*.so"))
 
 
@@ -261,10 +261,6 @@ def test_bfloat16_dot_products_are_offered_exactly_where_the_cpu_has_them():
     assert native.bf16_dot_available() == (native.available() and cpu_has("avx512_bf16"))
 
 
-def test_int8_dot_products_are_offered_exactly_where_the_cpu_has_them():
-    assert native.int8_dot_available() == (native.available() and cpu_has("avx512_vnni"))
-
-
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16])
 @pytest.mark.parametrize("outputs, inputs", [(64, 576), (13, 64), (5, 2880)])
 def test_bfloat16_dot_products_are_the_products_of_the_rounded_inputs(rows, outputs, inputs):
@@ -295,44 +291,6 @@ def test_bfloat16_dot_products_refuse_what_they_cannot_compute():
         native.bf16_dot_gemm(torch.randn(2, 48), narrow)
     with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
         native.bf16_dot_gemm(torch.randn(2, 63), native.pack(weight))
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9])
-@pytest.mark.parametrize("outputs, inputs", [(64, 576), (7, 128), (13, 1536)])
-def test_int8_dot_products_are_the_products_of_the_quantized_rows(rows, outputs, inputs):
-    generator = torch.Generator().manual_seed(rows * 100 + outputs)
-    x = torch.randn(rows, inputs, generator=generator) * 3
-    x[0, 5] = 40.0  # an outlier sets its row's scale
-    weight = torch.randn(outputs, inputs, generator=generator) * 0.05
-    packed = native.pack_int8(weight)
-    assert packed.format == "int8" and packed.data.dtype == torch.int8 and packed.scale.shape == (outputs,)
-    assert (packed.unpack() - weight).abs().max() <= packed.scale.max() / 2 + 1e-7  # rounded to nearest code
-    assert packed.nbytes == outputs * inputs + 8 * outputs
-    if not native.int8_dot_available():
-        with pytest.raises(RuntimeError, match="8-bit dot products are unavailable"):
-            native.int8_dot_gemm(x, packed)
-        return
-    scale = x.abs().amax(dim=1, keepdim=True) / 127  # each row to 8-bit codes, its largest magnitude to 127
-    exact = (torch.round(x / scale).double() * scale.double()) @ packed.unpack().double().T
-    serial, parallel = native.int8_dot_gemm(x, packed), native.int8_dot_gemm(x, packed, parallel=True)
-    assert serial.shape == (rows, outputs) and torch.equal(serial, parallel)
-    assert (serial.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
-    for row in range(rows):  # integer sums: a row's result does not depend on the others
-        assert torch.equal(native.int8_dot_gemm(x[row : row + 1], packed)[0], serial[row])
-    relative = (serial - x @ weight.T).norm() / (x @ weight.T).norm()
-    assert 1e-4 < relative < 0.05  # an approximation of the float32 product, a close one
-
-
-@pytest.mark.skipif(not native.int8_dot_available(), reason="needs AVX512_VNNI (the test above checks the refusal)")
-def test_int8_dot_products_refuse_what_they_cannot_compute():
-    with pytest.raises(ValueError, match="int8-packed weight with K a multiple of 64"):
-        native.int8_dot_gemm(torch.randn(2, 96), native.pack_int8(torch.randn(8, 96)))
-    with pytest.raises(ValueError, match="int8-packed weight"):
-        native.int8_dot_gemm(torch.randn(2, 64), native.pack_bfloat16(torch.randn(8, 64)))
-    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
-        native.int8_dot_gemm(torch.randn(2, 63), native.pack_int8(torch.randn(8, 64)))
-    zero = native.pack_int8(torch.zeros(4, 64))  # an all-zero row or input: scale 1, products 0
-    assert torch.equal(native.int8_dot_gemm(torch.zeros(2, 64), zero), torch.zeros(2, 4))
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (9, 576), (3, 5, 64), (2, 7), (4, 33)])
@@ -470,11 +428,12 @@ def test_native_attention_refuses_what_it_cannot_compute():
 def _layer(generator: torch.Generator, form: str, d: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
            features: int = 192):
     """`pack_layer`'s arguments with random values, the products in `form`: "float32" (with a q/k/v bias, no q/k
-    norms: a Qwen2 layer), "packed" (bfloat16 values, packed exactly) or "int8" (a draft's 8-bit codes)."""
+    norms: a Qwen2 layer), "packed" (bfloat16 values, packed exactly) or "int8" (a draft's 8-bit codes, Q8_0
+    blocks for `quantized.block_gemm`)."""
     def weight(rows, columns):
         values = torch.randn(rows, columns, generator=generator) * 0.05
         if form == "int8":
-            return native.pack_int8(values)
+            return quantized.q8_blocks(values)
         if form == "packed":
             return native.pack(values.bfloat16().float())
         return values
@@ -492,15 +451,15 @@ def _layer(generator: torch.Generator, form: str, d: int = 128, heads: int = 4, 
 def _product(x: torch.Tensor, weight) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return native.small_gemm(x, weight)
-    return (native.int8_dot_gemm if weight.format == "int8" else native.packed_gemm)(x, weight)
+    return (quantized.block_gemm if weight.format == "blocks" else native.packed_gemm)(x, weight)
 
 
 @pytest.mark.parametrize("parallel", [0, 31])
 @pytest.mark.parametrize("form, width, causal", [("float32", 0, True), ("packed", 0, True), ("int8", 3, False),
                                                  ("packed", 2, False)])
 def test_a_native_layer_is_its_steps_in_order(form, width, causal, parallel):
-    if not native.available() or (form == "int8" and not native.int8_dot_available()):
-        pytest.skip("needs the native kernel (and AVX512_VNNI for 8-bit products)")
+    if not native.available():
+        pytest.skip("needs the native kernel")
     generator = torch.Generator().manual_seed(parallel + width)
     parts = _layer(generator, form)
     layer = native.pack_layer(**parts)
@@ -543,9 +502,6 @@ def test_a_native_layer_refuses_what_it_cannot_compute():
         native.pack_layer(**{**parts, "qk_norm": torch.ones(4, 64)})
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         native.pack_layer(**{**parts, "head_dim": 96})
-    if native.int8_dot_available():
-        with pytest.raises(ValueError, match="8-bit with K a multiple of 64"):
-            native.pack_layer(**{**parts, "gate_up": native.pack_int8(torch.randn(384, 96))})
     layer = native.pack_layer(**parts)
     cache = torch.zeros(2, 16, 64)
     tables = torch.zeros(7, 64)
@@ -565,7 +521,7 @@ def _draft(generator: torch.Generator, form: str, layers: int = 2, vocab: int = 
 
     def weight(rows, columns):
         values = torch.randn(rows, columns, generator=generator) * 0.05
-        return native.pack_int8(values) if form == "int8" else values
+        return quantized.q8_blocks(values) if form == "int8" else values
 
     return dict(layers=[native.pack_layer(**p) for p in parts], fc=weight(128, feature_size),
                 hidden_norm=1 + 0.1 * torch.randn(128, generator=generator),
@@ -576,8 +532,8 @@ def _draft(generator: torch.Generator, form: str, layers: int = 2, vocab: int = 
 @pytest.mark.parametrize("form, parallel, vocab_ids", [("float32", 0, False), ("int8", 127, True),
                                                         ("int8", 0, False)])
 def test_a_native_draft_pass_is_its_steps_in_order(form, parallel, vocab_ids):
-    if not native.available() or (form == "int8" and not native.int8_dot_available()):
-        pytest.skip("needs the native kernel (and AVX512_VNNI for 8-bit products)")
+    if not native.available():
+        pytest.skip("needs the native kernel")
     generator = torch.Generator().manual_seed(parallel)
     arguments, parts = _draft(generator, form)
     draft = native.pack_draft(**arguments)

@@ -439,7 +439,6 @@ static const int REVERSED[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 1
                __builtin_shufflevector(g[0], g[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);    \
     }
 SUMS_OF_16(sums_of_16, vec)
-SUMS_OF_16(int_sums_of_16, i32v)
 
 static const vec LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -597,102 +596,6 @@ void swiglu(const float *x, float *y, long M, long F) {
     }
 }
 
-/* Products in 8-bit integers, for a draft (its proposals never change what is generated): w[N, K] held as int8
- * with one float scale per row (`w_scale`, and `w_sum` the row's sum of codes), x quantized per row on the fly
- * (its largest magnitude to 127, codes shifted by 128 into unsigned bytes), and 64 products a row summed into 16
- * int32 lanes by AVX-512 VNNI's dot-product instruction: half the bytes of bfloat16 weights, which is what a
- * draft's 8-row products are bound by. y = x_scale * w_scale * (sum (xq + 128) * wq - 128 * w_sum): exact integer
- * sums, so a row's result does not depend on the others. K must be a multiple of 64. Only built where the compiler
- * targets AVX512_VNNI; `int8_dot_available` says so. */
-#if defined(__AVX512VNNI__)
-int int8_dot_available(void) { return 1; }
-
-static void quantize_rows(const float *x, unsigned char *codes, float *scales, long M, long K) {
-    for (long m = 0; m < M; m++) {
-        const float *row = x + m * K;
-        float largest = 0.0f;
-        for (long k = 0; k < K; k++) {
-            const float magnitude = __builtin_fabsf(row[k]);
-            largest = magnitude > largest ? magnitude : largest;
-        }
-        const float scale = largest > 0.0f ? largest / 127.0f : 1.0f, inverse = 1.0f / scale;
-        for (long k = 0; k < K; k++) codes[m * K + k] = (unsigned char)(__builtin_lrintf(row[k] * inverse) + 128);
-        scales[m] = scale;
-    }
-}
-
-static inline __attribute__((always_inline)) void int8_tile(const int MR, const int NR, const unsigned char *x,
-                                                           const signed char *w, long n, const float *x_scale,
-                                                           const float *w_scale, const int *w_sum, float *y, long N,
-                                                           long K) {
-    __m512i acc[TILE_ROWS][TILE_ROWS];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
-    for (long k = 0; k < K; k += 4 * LANES) {
-        __m512i wv[TILE_ROWS];
-        for (int j = 0; j < NR; j++) {
-            wv[j] = _mm512_loadu_si512((const void *)(w + (n + j) * K + k));
-            __builtin_prefetch(w + (n + j + TILE_ROWS) * K + k, 0, 0);
-        }
-        for (int i = 0; i < MR; i++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(x + i * K + k));
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]);
-        }
-    }
-    if (MR == TILE_ROWS && NR == TILE_ROWS) { /* the 16 sums at once, lane i * 4 + j (the tree's order undone) */
-        i32v lanes[LANES];
-        for (int t = 0; t < LANES; t++) memcpy(&lanes[REVERSED[t]], &acc[t / TILE_ROWS][t % TILE_ROWS], sizeof(i32v));
-        const i32v sums = int_sums_of_16(lanes);
-        for (int i = 0; i < TILE_ROWS; i++)
-            for (int j = 0; j < TILE_ROWS; j++)
-                y[i * N + n + j] = x_scale[i] * w_scale[n + j] * (float)(sums[i * TILE_ROWS + j] - 128 * w_sum[n + j]);
-        return;
-    }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++)
-            y[i * N + n + j] = x_scale[i] * w_scale[n + j] *
-                               (float)(_mm512_reduce_add_epi32(acc[i][j]) - 128 * w_sum[n + j]);
-}
-
-#define INT8_ROWS(NR)                                                                                               \
-    static void int8_rows_##NR(const unsigned char *x, const signed char *w, long n, const float *x_scale,        \
-                               const float *w_scale, const int *w_sum, float *y, long M, long N, long K) {         \
-        for (long m = 0; m < M; m += TILE_ROWS) {                                                                   \
-            const unsigned char *xm = x + m * K;                                                                    \
-            float *ym = y + m * N;                                                                                  \
-            const float *sm = x_scale + m;                                                                          \
-            switch (M - m < TILE_ROWS ? M - m : TILE_ROWS) {                                                        \
-            case 4: int8_tile(4, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
-            case 3: int8_tile(3, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
-            case 2: int8_tile(2, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
-            case 1: int8_tile(1, NR, xm, w, n, sm, w_scale, w_sum, ym, N, K); break;                                \
-            }                                                                                                       \
-        }                                                                                                           \
-    }
-INT8_ROWS(4)
-INT8_ROWS(1)
-
-void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, const int *w_sum, float *y, long M,
-                   long N, long K, int parallel) {
-    /* On the heap (a prompt's context can be thousands of rows), on a cache line: each 64-code load stays in one. */
-    unsigned char *codes = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    float *x_scale = malloc(sizeof(float) * (size_t)M);
-    quantize_rows(x, codes, x_scale, M, K);
-    const long tiles = N / TILE_ROWS, chunks = parallel ? thread_chunks() : 1;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (long c = 0; c < chunks; c++)
-        for (long t = c * tiles / chunks; t < (c + 1) * tiles / chunks; t++)
-            int8_rows_4(codes, w, t * TILE_ROWS, x_scale, w_scale, w_sum, y, M, N, K);
-    for (long n = tiles * TILE_ROWS; n < N; n++) int8_rows_1(codes, w, n, x_scale, w_scale, w_sum, y, M, N, K);
-    free(codes);
-    free(x_scale);
-}
-#else
-int int8_dot_available(void) { return 0; }
-void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, const int *w_sum, float *y, long M,
-                   long N, long K, int parallel) {}
-#endif
-
 /* A whole decoder layer in one call, for the few rows of a decoding step, where Python ran ~30 operators a layer
  * (their overhead was a fifth of a target's one-token step and half a draft's pass). Rows h [block, d] (updated in
  * place) over a window [context ; RMSNorm(h)]: `context` [width, d] rows already normalized that join the keys and
@@ -707,16 +610,16 @@ void int8_dot_gemm(const float *x, const signed char *w, const float *w_scale, c
  * the first cache position each sequence sees (after its left padding): each row's result is the one it would get
  * alone. Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16 attention. */
 typedef struct { /* a product's weight in a form the kernels read */
-    int format;          /* 0 float32 [rows, K]; BF16, Q8_0, Q4_1 packed exactly; INT8 8-bit codes (a draft's);
+    int format;          /* 0 float32 [rows, K]; BF16, Q8_0, Q4_1 packed exactly;
                             BLOCKS: `parts` GGUF-block weights (block_gemm.c), `data` pointing to them */
     const void *data;
-    const float *scale;  /* the packed formats' scales; INT8's one a row */
-    const void *extra;   /* Q4_1's minimums; INT8's row sums of codes */
+    const float *scale;  /* the packed formats' scales */
+    const void *extra;   /* Q4_1's minimums */
     long rows;
     long parts;
 } layer_weight;
 
-enum { FLOAT32 = 0, INT8 = 4, BLOCKS = 5 };
+enum { FLOAT32 = 0, BLOCKS = 5 };
 
 typedef struct {
     const float *input_norm, *post_norm, *qk_norm, *qkv_bias;
@@ -726,7 +629,6 @@ typedef struct {
 static void layer_product(const float *x, const layer_weight *w, float *y, long M, long K, int parallel) {
     if (w->format == FLOAT32) (parallel ? small_gemm_parallel : small_gemm)(x, w->data, y, M, w->rows, K);
     else if (w->format == BLOCKS) block_gemm(w->data, w->parts, x, M, K, y, w->rows, parallel, 0);
-    else if (w->format == INT8) int8_dot_gemm(x, w->data, w->scale, w->extra, y, M, w->rows, K, parallel);
     else (parallel ? packed_gemm_parallel : packed_gemm)(w->format, x, w->data, w->scale, w->extra, y, M, w->rows, K);
 }
 
