@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "flashdraft.commands.train",
     "flashdraft.commands.corpus",
     "flashdraft.commands.draft",
+    "flashdraft.commands.llama_cpp",
 )
 
 

@@ -5,6 +5,8 @@
     inspect   what a draft folder holds: shape, target layers, block size, drafting vocabulary, how it was trained
     evaluate  held-out tau, loss and per-position accuracy on the corpus's held-out records
               (`flashdraft.train.from_corpus`)
+    export-gguf  the draft as the GGUF file llama.cpp runs (`--spec-type draft-dflash`), written by llama.cpp's own
+              converter (`flashdraft.llama_cpp.export_draft_gguf`)
 
 A new subcommand is a `register` entry here and a function over the library (an export to other formats belongs
 beside `ship`).
@@ -18,10 +20,11 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from flashdraft.commands.llama_cpp import add_llama_cpp_option
     from flashdraft.models import DEFAULT_TARGET
 
     parser = subparsers.add_parser(
-        "draft", help="average, ship, inspect and evaluate draft folders",
+        "draft", help="average, ship, inspect, evaluate and export draft folders",
         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -71,6 +74,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--work-dir", type=Path, default=None,
                           help="folder for the evaluation's caches (default: a temporary one)")
     evaluate.set_defaults(func=_evaluate)
+
+    export = actions.add_parser("export-gguf", help="write a draft as the GGUF file llama.cpp runs",
+                                description="Write a DFlash draft folder as the GGUF file llama.cpp loads "
+                                "(llama-speculative-simple -md FILE --spec-type draft-dflash), with the converter "
+                                "of a llama.cpp folder (convert_hf_to_gguf.py --target-model-dir). The vocabulary and "
+                                "tokenizer come from the target; llama.cpp drafts over the whole vocabulary, so a "
+                                "drafting vocabulary is not part of the file. Needs sentencepiece "
+                                "(pip install 'flashdraft[llama-cpp]').")
+    export.add_argument("draft", type=Path, help="draft folder")
+    export.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"the draft's target: registry name (prepared on first use) or a transformers folder "
+                        f"with its config.json and tokenizer (default: {DEFAULT_TARGET})")
+    export.add_argument("-o", "--output", type=Path, required=True, help="GGUF file to write, e.g. draft.gguf")
+    export.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
+                        help="weight type in the file (default: f16)")
+    add_llama_cpp_option(export)
+    export.set_defaults(func=_export_gguf)
 
 
 def _average(args: argparse.Namespace) -> int:
@@ -133,4 +153,20 @@ def _evaluate(args: argparse.Namespace) -> int:
         accuracy = " ".join(f"{a:.3f}" for a in score.heldout_accuracy[:4])
         print(f"{score.draft}: tau {score.tau:.3f}, held-out loss {score.heldout_loss:.4f}, accuracy {accuracy}",
               flush=True)
+    return 0
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from flashdraft.commands.llama_cpp import llama_cpp_folder
+    from flashdraft.draft import check_draft_folder
+    from flashdraft.llama_cpp import export_draft_gguf, find_llama_cpp
+    from flashdraft.models import REGISTRY, prepare
+
+    check_draft_folder(args.draft)
+    llama = find_llama_cpp(llama_cpp_folder(args.llama_cpp))
+    llama.converter  # noqa: B018  (fails in one line, before the target is prepared, when there are no sources)
+    target = prepare(args.target) if args.target in REGISTRY else Path(args.target)
+    output = export_draft_gguf(args.draft, target, args.output, llama, outtype=args.outtype)
+    print(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB): llama-speculative-simple -m TARGET.gguf -md "
+          f"{output} --spec-type draft-dflash")
     return 0
