@@ -5,6 +5,9 @@ replay live in `flashdraft.evaluation`)."""
 # torch (its modules import it at the top).
 METHOD_NAMES = (
     "ar", "flashdraft", "flashdraft-hybrid", "flashdraft-plain", "flashdraft-lookup", "prompt-lookup", "assisted",
-    "reference", "transformers-dflash",
+    "reference", "transformers-dflash", "llama.cpp", "llama.cpp-lookup", "llama.cpp-dflash",
 )
-DRAFT_METHODS = frozenset({"flashdraft", "flashdraft-hybrid", "reference", "transformers-dflash"})  # need --draft
+DRAFT_METHODS = frozenset({  # need --draft
+    "flashdraft", "flashdraft-hybrid", "reference", "transformers-dflash", "llama.cpp-dflash",
+})
+LLAMA_CPP_METHODS = frozenset({"llama.cpp", "llama.cpp-lookup", "llama.cpp-dflash"})  # need llama.cpp built

@@ -11,6 +11,10 @@
     assisted             transformers' assisted generation with a small model of the same tokenizer
     reference            the reference DFlash loop, PyPI `dflash==0.1.0` (`dflash_generate`), same draft weights
     transformers-dflash  transformers' own DFlash loop (`speculation_type="dflash"`), same draft weights
+    llama.cpp            llama.cpp's plain decoding on the target's GGUF file (`llama-completion`)
+    llama.cpp-lookup     llama.cpp's prompt lookup (`llama-lookup`)
+    llama.cpp-dflash     llama.cpp's DFlash (`llama-speculative-simple --spec-type draft-dflash`), the same draft
+                         converted to GGUF (`flashdraft.bench.llama_cpp` says how they run and are measured)
 
 All methods decode the same target with the same stop tokens, the same token budget and the same sampling rule
 (temperature only: top-p 1, no top-k); timing and acceptance are measured around them by `runner.py`.
@@ -19,9 +23,12 @@ All methods decode the same target with the same stop tokens, the same token bud
 from __future__ import annotations
 
 import copy
+import subprocess
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,7 +36,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput
 
 import flashdraft
-from flashdraft.bench import DRAFT_METHODS, METHOD_NAMES
+from flashdraft.bench import DRAFT_METHODS, LLAMA_CPP_METHODS, METHOD_NAMES
+from flashdraft.bench.llama_cpp import TOOL_OF, LlamaCppPeer, ToolOutput, parse_output, tool_command
 from flashdraft.draft import DFlashDraftModel
 from flashdraft.rules import check_block_size
 from flashdraft.target import TargetModel
@@ -52,13 +60,23 @@ class Method:
     `tokens_by_source` holds where they came from when the method knows (flashdraft's: accepted proposals per
     source, "target" for the rest), else nothing. A method that reports its own timing and rounds (`reports_rounds`)
     sets `first_token_seconds` and `acceptance_lengths`; the runner then puts no probe on the target, whose hooks
-    would switch flashdraft's CPU engine off (it never calls the model's forward, so a probe would see nothing)."""
+    would switch flashdraft's CPU engine off (it never calls the model's forward, so a probe would see nothing).
+    A method that runs in another process and prints its own timings (llama.cpp's: `reports_timing`) also sets
+    `seconds` (prefill and decode, no process start or model load), `decode_tokens` (the tokens its decode time
+    covers), `drafted` and `accepted` (its proposal counts, where it has no per-round lengths) and `text` (its answer
+    as it printed it, cut to the token budget; its `tokens` are that text encoded by the target's tokenizer)."""
 
     name: str
     tokens_by_source: dict[str, int] = {}
     reports_rounds = False
+    reports_timing = False
     first_token_seconds: float = 0.0
     acceptance_lengths: list[int] = []
+    seconds: float = 0.0
+    decode_tokens: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    text: str | None = None
 
     def generate(self, input_ids: torch.Tensor, settings: DecodeSettings, seed: int) -> list[int]:
         raise NotImplementedError
@@ -194,6 +212,51 @@ class TransformersDFlashAssistant(nn.Module):
         return BaseModelOutput(last_hidden_state=hidden)
 
 
+class LlamaCpp(Method):
+    """One llama.cpp tool on the target's GGUF file, one process per prompt (`flashdraft.bench.llama_cpp`)."""
+
+    reports_rounds = True
+    reports_timing = True
+    TIMEOUT_SECONDS = 3600
+
+    def __init__(self, name: str, peer: LlamaCppPeer, tokenizer: PreTrainedTokenizerBase):
+        self.name = name
+        self.tool = TOOL_OF[name]
+        self.peer = peer
+        self.tokenizer = tokenizer
+        self.output: ToolOutput | None = None
+
+    def generate(self, input_ids, settings, seed):
+        if settings.temperature != 0:
+            raise ValueError(f"{self.name} runs greedy only (its sampling is not flashdraft's): use --temperature 0 "
+                             "or drop the llama.cpp methods")
+        prompt = self.tokenizer.decode(input_ids[0].tolist(), skip_special_tokens=False)
+        stop_texts = tuple(self.tokenizer.decode([token]) for token in settings.stop_token_ids)
+        with tempfile.TemporaryDirectory(prefix="flashdraft-llama-cpp-") as work:
+            prompt_file = Path(work) / "prompt.txt"
+            prompt_file.write_text(prompt, encoding="utf-8")
+            command = tool_command(self.name, self.peer, prompt_file, input_ids.shape[1], settings.max_new_tokens)
+            try:
+                run = subprocess.run(command, capture_output=True, text=True, errors="replace",
+                                     stdin=subprocess.DEVNULL, timeout=self.TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                raise ValueError(f"{self.tool} ran over {self.TIMEOUT_SECONDS} s on one prompt: stopped") from None
+        if run.returncode != 0:
+            last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            hint = (" (an instruction this CPU does not run: build llama.cpp on this machine with `flashdraft "
+                    "llama-cpp build`)" if run.returncode in (-4, 132) else "")
+            raise ValueError(f"{self.tool} failed with exit status {run.returncode}{hint}: {last}")
+        output = self.output = parse_output(self.tool, run.stdout, run.stderr, prompt, stop_texts)
+        tokens = self.tokenizer.encode(output.text, add_special_tokens=False)[: settings.max_new_tokens]
+        self.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        self.first_token_seconds = output.prefill_seconds
+        self.seconds = output.prefill_seconds + output.decode_seconds
+        self.decode_tokens = output.decoded_tokens
+        self.drafted, self.accepted = output.drafted, output.accepted
+        self.acceptance_lengths = []  # the tools print totals, not rounds: tau comes from drafted and accepted
+        return tokens
+
+
 def build_methods(
     names: list[str],
     *,
@@ -203,12 +266,14 @@ def build_methods(
     block_sizes: list[int | str] | None = None,
     assistant: PreTrainedModel | None = None,
     assistant_tokenizer: PreTrainedTokenizerBase | None = None,
+    llama_cpp: LlamaCppPeer | None = None,
 ) -> list[Method]:
     """The methods called `names`, `ar` first (the baseline every other is measured against).
 
     `flashdraft` (the draft alone) runs once per entry of `block_sizes` (default: the draft's own; "auto" = the
     adaptive block size of `flashdraft.adaptive`); `flashdraft-hybrid` at the adaptive block size; `reference` and
-    `transformers-dflash` at the draft's block size.
+    `transformers-dflash` at the draft's block size. The llama.cpp methods need `llama_cpp`
+    (`flashdraft.bench.llama_cpp.prepare_peer`).
     """
     unknown = [name for name in names if name not in METHOD_NAMES]
     if unknown:
@@ -224,7 +289,10 @@ def build_methods(
                 "the assistant's tokenizer differs from the target's: assisted generation here needs the same "
                 "vocabulary (pick an assistant from the target's model family)"
             )
-    inputs = MethodInputs(target, draft, block_sizes, assistant)
+    if LLAMA_CPP_METHODS & set(names) and llama_cpp is None:
+        raise ValueError("the llama.cpp methods need llama.cpp's tools and the target's GGUF file: prepare them with "
+                         "flashdraft.bench.llama_cpp.prepare_peer")
+    inputs = MethodInputs(target, draft, block_sizes, assistant, tokenizer, llama_cpp)
     return [method for name in dict.fromkeys(["ar", *names]) for method in BUILDERS[name](inputs)]
 
 
@@ -236,6 +304,8 @@ class MethodInputs:
     draft: DFlashDraftModel | None
     block_sizes: list[int | str] | None
     assistant: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    llama_cpp: LlamaCppPeer | None = None
 
 
 def _draft_alone(given: MethodInputs) -> list[Method]:
@@ -266,6 +336,7 @@ BUILDERS: dict[str, Callable[[MethodInputs], list[Method]]] = {
     "assisted": lambda given: [TransformersGenerate("assisted", given.target, assistant_model=given.assistant)],
     "reference": lambda given: [Reference(given.target, given.draft)],
     "transformers-dflash": _transformers_dflash,
+    **{name: (lambda given, name=name: [LlamaCpp(name, given.llama_cpp, given.tokenizer)]) for name in TOOL_OF},
 }
 
 

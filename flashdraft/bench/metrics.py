@@ -11,8 +11,13 @@
   moves both sides of a prompt's ratio; the pooled figure lets one slow prompt weigh by its seconds;
 - time to first token: mean seconds until the target's prefill forward ended;
 - tau: tokens per target forward after the prefill, pooled over all rounds of all prompts (1 for `ar`), and the
-  histogram of those acceptance lengths;
-- exactness (temperature 0 only): how many outputs differ from `ar`'s for the same prompt;
+  histogram of those acceptance lengths; for a method that counts only totals (llama.cpp's tools print the tokens
+  decoded and the proposals accepted), decoded tokens over rounds, a round being one target token plus the accepted
+  proposals before it, and no histogram;
+- exactness (temperature 0 only): how many outputs differ from `ar`'s for the same prompt, and from llama.cpp's
+  plain decoding's where it ran (`llama.cpp`: its speculative methods must match it, as flashdraft's match `ar`).
+  Token ids are compared where both methods give them; a method that prints text (llama.cpp's) is compared by text
+  (the other side's tokens decoded, special tokens skipped);
 - tokens by source: each proposer's share of the output tokens (accepted proposals; "target" for the rest), for
   the methods that say (flashdraft's).
 
@@ -31,11 +36,13 @@ from .runner import Record
 
 BASELINE = "ar"
 PLAIN = "flashdraft-plain"  # the second baseline: flashdraft's own plain decoding
+LLAMA_CPP_PLAIN = "llama.cpp"  # llama.cpp's plain decoding, which its speculative methods must reproduce
 
 
 def decode_tokens_per_second(records: Sequence[Record]) -> float:
     """Pooled decode throughput: every token after each answer's first, over the decode seconds."""
-    tokens = sum(max(len(record.tokens) - 1, 0) for record in records)
+    tokens = sum(record.decode_tokens if record.decode_tokens is not None else max(len(record.tokens) - 1, 0)
+                 for record in records)
     seconds = sum(record.decode_seconds for record in records)
     return tokens / seconds if tokens and seconds > 0 else 0.0
 
@@ -55,9 +62,24 @@ def median_speedup(records: Sequence[Record], baseline: Sequence[Record]) -> flo
 
 
 def count_differing(records: Sequence[Record], baseline: Sequence[Record]) -> int:
-    """How many of `records` produced other tokens than the baseline record for the same sample and turn."""
-    expected = {(record.sample_id, record.turn): record.tokens for record in baseline}
-    return sum(record.tokens != expected[(record.sample_id, record.turn)] for record in records)
+    """How many of `records` produced another answer than the baseline record for the same sample and turn: other
+    token ids, or other text where either side's tokens were encoded from printed text."""
+    expected = {(record.sample_id, record.turn): record for record in baseline}
+
+    def differs(record: Record, other: Record) -> bool:
+        if record.tokens_from_text or other.tokens_from_text:
+            return record.text != other.text
+        return record.tokens != other.tokens
+
+    return sum(differs(record, expected[(record.sample_id, record.turn)]) for record in records)
+
+
+def counted_tau(records: Sequence[Record]) -> float:
+    """Tau from a method's own totals: decoded tokens over rounds, each round emitting the accepted proposals and
+    one target token (so rounds = decoded - accepted)."""
+    decoded = sum(record.decode_tokens or 0 for record in records)
+    rounds = decoded - sum(record.accepted or 0 for record in records)
+    return decoded / rounds if rounds > 0 else 0.0
 
 
 def token_shares(records: Sequence[Record]) -> dict[str, float]:
@@ -88,6 +110,9 @@ class Summary:
     token_shares: dict[str, float]  # source -> share of the output tokens; empty when the method does not say
     speedup_over_plain: float | None = None  # over `flashdraft-plain`; None when it did not run (or decoded nothing)
     median_speedup_over_plain: float | None = None
+    differs_from_llama_cpp: int | None = None  # None when `llama.cpp` did not run, or sampling
+    drafted: int | None = None  # proposals verified / accepted, for the methods that count them (llama.cpp's)
+    accepted: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,6 +143,8 @@ def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
         plain = groups.get((dataset, PLAIN))
         plain_throughput = decode_tokens_per_second(plain) if plain else 0.0
         lengths = [length for record in group for length in record.acceptance_lengths]
+        counted = not lengths and all(record.accepted is not None for record in group)
+        llama_cpp = groups.get((dataset, LLAMA_CPP_PLAIN))
         summaries.append(
             Summary(
                 dataset=dataset,
@@ -128,12 +155,15 @@ def summarize(records: Sequence[Record], *, greedy: bool) -> list[Summary]:
                 speedup=throughput / baseline_throughput if baseline_throughput > 0 else None,
                 median_speedup=median_speedup(group, baseline),
                 time_to_first_token=sum(record.time_to_first_token for record in group) / len(group),
-                tau=tau(lengths),
+                tau=counted_tau(group) if counted else tau(lengths),
                 acceptance_histogram=acceptance_histogram(lengths),
                 differs_from_ar=count_differing(group, baseline) if greedy else None,
                 token_shares=token_shares(group),
                 speedup_over_plain=throughput / plain_throughput if plain_throughput > 0 else None,
                 median_speedup_over_plain=median_speedup(group, plain) if plain else None,
+                differs_from_llama_cpp=count_differing(group, llama_cpp) if greedy and llama_cpp else None,
+                drafted=sum(record.drafted for record in group) if counted else None,
+                accepted=sum(record.accepted for record in group) if counted else None,
             )
         )
     return summaries

@@ -76,16 +76,21 @@ def write_results(
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
+    """The summary table; the column "differs from llama.cpp" only where llama.cpp's plain decoding ran."""
+    llama_cpp = any(s.differs_from_llama_cpp is not None for s in summaries)
     header = (
         f"| dataset | method | prompts | output tokens | decode tok/s | speedup over {BASELINE} | median "
-        f"| speedup over {PLAIN} | median | TTFT ms | tau | tokens by source | differs from ar |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"
+        f"| speedup over {PLAIN} | median | TTFT ms | tau | tokens by source | differs from ar |"
+        + (" differs from llama.cpp |" if llama_cpp else "") + "\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|" if llama_cpp else "") + "\n"
     )
     rows = []
     for s in summaries:
         speedups = " | ".join(f"{value:.2f}x" if value is not None else "n/a" for value in (
             s.speedup, s.median_speedup, s.speedup_over_plain, s.median_speedup_over_plain))
         differs = "n/a (sampling)" if s.differs_from_ar is None else str(s.differs_from_ar)
+        if llama_cpp:
+            differs += f" | {s.differs_from_llama_cpp if s.differs_from_llama_cpp is not None else 'n/a'}"
         rows.append(
             f"| {s.dataset} | {s.method} | {s.prompts} | {s.output_tokens:.1f} | {s.decode_tokens_per_second:.1f} "
             f"| {speedups} | {1000 * s.time_to_first_token:.0f} | {s.tau:.2f} | {_shares(s.token_shares)} "

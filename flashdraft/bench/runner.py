@@ -5,7 +5,9 @@ Each method is measured from the outside by the same instruments, so no method r
 - a probe on the target model's forward: the end of its first forward (the prefill, which yields the first token)
   gives the time to first token, and the target's cache length at the start of each later forward gives the
   tokens each verification round added (the acceptance lengths; plain decoding adds one per forward).
-Only where the tokens came from (which proposer, for flashdraft's methods) is the method's own account.
+Only where the tokens came from (which proposer, for flashdraft's methods) is the method's own account, and the
+timings and proposal counts of a method in another process (llama.cpp's, which loads the model on every call: the
+wall clock would count the load), which are what it prints (`flashdraft.bench.llama_cpp`).
 
 Methods run after a warm-up, prompt by prompt, in an order that rotates from one prompt to the next so no method
 always runs first. A later turn of a multi-turn sample (MT-Bench's second question) follows the answer of `ar`,
@@ -44,6 +46,11 @@ class Record:
     time_to_first_token: float  # until the target's prefill forward ended
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens added per target forward after the prefill
     tokens_by_source: dict[str, int] = field(default_factory=dict)  # the method's own account; empty when it has none
+    text: str = ""  # the answer's text: the tokens decoded (special tokens skipped), or as the method printed it
+    tokens_from_text: bool = False  # `tokens` are `text` encoded again (a method that prints text, not token ids)
+    decode_tokens: int | None = None  # the tokens the decode seconds cover, when the method counts them itself
+    drafted: int | None = None  # proposals verified and accepted, when the method counts them itself (llama.cpp's)
+    accepted: int | None = None
 
     @property
     def decode_seconds(self) -> float:
@@ -109,6 +116,9 @@ def measure(
 ) -> tuple[list[int], float, float, list[int]]:
     """Run `method` once: (new tokens, seconds, time to first token, acceptance lengths)."""
     device = input_ids.device
+    if method.reports_timing:
+        tokens = method.generate(input_ids, settings, seed)
+        return tokens, method.seconds, method.first_token_seconds, list(method.acceptance_lengths)
     if method.reports_rounds:
         synchronize(device)
         began = time.perf_counter()
@@ -167,9 +177,12 @@ def run_benchmark(
                         tokens, seconds, first_token, lengths = measure(
                             method, model, input_ids, settings, seed + request
                         )
+                        printed = method.text is not None
                         records.append(
                             Record(dataset, sample.id, turn, method.name, input_ids.shape[1], tokens, seconds,
-                                   first_token, lengths, dict(method.tokens_by_source))
+                                   first_token, lengths, dict(method.tokens_by_source),
+                                   method.text if printed else tokenizer.decode(tokens, skip_special_tokens=True),
+                                   printed, method.decode_tokens, method.drafted, method.accepted)
                         )
                         if method is methods[0]:
                             baseline = tokens

@@ -12,7 +12,8 @@ from pathlib import Path
 # Only what the parser needs is imported here: the CLI imports every command module to build its parser, so
 # torch and the modules that import it (the benchmark's own, the decoding loop) load inside `run`, and
 # `flashdraft --help` does not wait for them.
-from flashdraft.bench import DRAFT_METHODS, METHOD_NAMES
+from flashdraft.bench import DRAFT_METHODS, LLAMA_CPP_METHODS, METHOD_NAMES
+from flashdraft.commands.llama_cpp import add_llama_cpp_option, llama_cpp_folder
 from flashdraft.commands.options import (
     add_device_options,
     at_least,
@@ -52,7 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--methods", nargs="+", default=None, metavar="METHOD",
         help=f"methods among {', '.join(METHOD_NAMES)}; `ar` always runs as the baseline. `flashdraft` is the "
         "draft alone, reported as flashdraft-bB and flashdraft-auto (one per --block-sizes entry); reference and "
-        "transformers-dflash are reported as reference-bB and transformers-dflash-bB, at the draft's block size "
+        "transformers-dflash are reported as reference-bB and transformers-dflash-bB, at the draft's block size; "
+        "llama.cpp, llama.cpp-lookup and llama.cpp-dflash run llama.cpp's tools on the target's GGUF file, greedy "
+        "(build them with `flashdraft llama-cpp build`) "
         f"(default: {', '.join(DEFAULT_METHODS)}, plus reference when dflash is installed and assisted with "
         "--assistant)")
     add("--block-sizes", nargs="+", type=block_size, default=None, metavar="B",
@@ -71,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="folder for results.json, results.md and the plots (default: bench-results)")
     add("--assistant", default=None,
         help="small model with the target's tokenizer for the `assisted` method (registry name, folder or hub id)")
+    add_llama_cpp_option(parser)
     add("--replay", action="store_true",
         help="measure only the draft's acceptance (tau), fast: the target writes its greedy answers in batches, "
         "then the draft replays the decoding rounds over them at each --block-sizes (integers). No timings and "
@@ -140,6 +144,15 @@ def run(args: argparse.Namespace) -> int:
     _check_sources(args)
     if args.replay:
         return run_replay(args)
+    llama_cpp_names = [name for name in args.methods or [] if name in LLAMA_CPP_METHODS]
+    if llama_cpp_names:  # before any model loads: a missing build or a sampled run fails at once
+        from flashdraft.bench.llama_cpp import TOOL_OF
+        from flashdraft.llama_cpp import find_llama_cpp
+
+        if args.temperature != 0:
+            raise ValueError(f"{', '.join(llama_cpp_names)} run greedy only (llama.cpp samples its own way): use "
+                             "--temperature 0 or drop them")
+        find_llama_cpp(llama_cpp_folder(args.llama_cpp), tuple(TOOL_OF[name] for name in llama_cpp_names))
     datasets = _load_datasets(args)
     status(f"Loading {args.target} ...")
     from flashdraft.bench.methods import DecodeSettings, build_methods
@@ -160,9 +173,17 @@ def run(args: argparse.Namespace) -> int:
     if args.assistant is not None:
         assistant, assistant_tokenizer = load_target(args.assistant, device=device, dtype=dtype,
                                                      engine=args.engine, arithmetic=args.arithmetic)
+    peer = None
+    if llama_cpp_names:
+        import torch
+
+        from flashdraft.bench.llama_cpp import prepare_peer
+
+        peer = prepare_peer(llama_cpp_names, llama_cpp_folder(args.llama_cpp), args.target,
+                            draft_path and Path(draft_path), torch.get_num_threads())
     methods = build_methods(
         names, target=target, tokenizer=tokenizer, draft=draft, block_sizes=_block_sizes(args, draft),
-        assistant=assistant, assistant_tokenizer=assistant_tokenizer,
+        assistant=assistant, assistant_tokenizer=assistant_tokenizer, llama_cpp=peer,
     )
     settings = DecodeSettings(args.max_new_tokens, args.temperature, stop_token_ids(target, tokenizer))
     records = run_benchmark(
@@ -173,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
                if key != "func"}
     options |= {"dtype": str(dtype).removeprefix("torch."), "methods": [method.name for method in methods],
                 "stop_token_ids": list(settings.stop_token_ids)}
+    if peer is not None:
+        options["llama_cpp"] = peer.describe()
     paths = write_report(args.output_dir, summaries, records, options, device, shlex.join(sys.argv))
     print(markdown_table(summaries))
     for kind, path in paths.items():
