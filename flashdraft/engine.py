@@ -541,8 +541,8 @@ class Engine:
         # Each token of a verification gets exactly what a one-token step gives it only on the native attention,
         # which computes every query alone: int8 needs it (torch's fused attention may round a row differently).
         fits = native_attention_fits(self.num_heads, self.kv_heads, self.head_dim)
-        path = quantized.ensure_blocks_file(folder) if fits and folder.is_dir() else None
-        if path is None:
+        path = folder / quantized.BLOCKS_FILE  # kept by `models.prepare` beside a registry target
+        if not (fits and path.is_file()):
             if choice == "int8":
                 why = (f"the native kernels are unavailable ({native.unavailable_reason()})" if not native.available()
                        else "its attention does not fit the native kernel (head_dim 64 or 128)" if not fits

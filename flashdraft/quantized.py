@@ -332,43 +332,6 @@ def matching_codes(codes: Codes, weight: torch.Tensor, heads: int | None) -> Cod
     return None
 
 
-def ensure_blocks_file(folder: Path) -> Path | None:
-    """The blocks file of a prepared registry folder, extracted from the registry's GGUF once (under the folder's
-    preparation lock, recorded among the folder's checksums); None for a folder that is no prepared registry model,
-    or whose GGUF packages are gone."""
-    from filelock import FileLock
-
-    from .files import file_sha256, write_atomic
-    from .models import COMPLETE_MARKER, REGISTRY, _assemble, locate_files
-
-    path = folder / BLOCKS_FILE
-    if path.is_file():
-        return path
-    marker_path = folder / COMPLETE_MARKER
-    try:
-        marker = json.loads(marker_path.read_text())
-        entry = REGISTRY[marker["name"]]
-        files = locate_files(entry)
-    except (OSError, ValueError, KeyError, FileNotFoundError):
-        return None
-    with FileLock(folder.parent / f"{marker['name']}.lock"):
-        if path.is_file():
-            return path
-        scratch = folder / ".gguf-blocks.partial.gguf"
-        try:
-            if _assemble(files, scratch) != entry.gguf_sha256:
-                return None
-            partial = folder / ".gguf-blocks.partial.safetensors"
-            save_blocks(scratch, partial)
-            partial.chmod(folder.stat().st_mode & 0o666)  # readable as the folder is (the cache may be shared)
-            partial.replace(path)
-        finally:
-            scratch.unlink(missing_ok=True)
-        marker.setdefault("files", {})[BLOCKS_FILE] = {"sha256": file_sha256(path), "size": path.stat().st_size}
-        write_atomic(marker_path, json.dumps(marker) + "\n")
-    return path
-
-
 # The GGUF tensors of a decoder layer's products, in the engine's fused order (`engine._Layer`).
 LAYER_TENSORS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
                  "down": ("ffn_down",)}

@@ -156,3 +156,28 @@ def test_the_command_lines_arithmetic_reaches_the_engine(tmp_path, capsys):
     assert "invalid choice: 'int4'" in capsys.readouterr().err
     model, _ = load_target(str(folder), arithmetic="float32")
     assert TargetModel(model).engine.arithmetic == "float32"
+
+
+@pytest.mark.slow
+def test_a_prepared_registry_target_keeps_its_gguf_blocks_and_an_older_folder_gets_them(tmp_path, monkeypatch):
+    import json
+
+    from flashdraft.models import COMPLETE_MARKER, DEFAULT_TARGET, prepare, verify_prepared
+
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    folder = prepare(DEFAULT_TARGET)
+    blocks = folder / quantized.BLOCKS_FILE
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())
+    assert blocks.is_file() and quantized.BLOCKS_FILE in marker["files"]
+    assert quantized.GGUFBlocks(blocks).meta["token_embd.weight"] == ["Q8_0", 49152, 576]
+    # a folder prepared before the blocks were kept: the next prepare extracts them and records their checksum
+    blocks.unlink()
+    del marker["files"][quantized.BLOCKS_FILE]
+    (folder / COMPLETE_MARKER).write_text(json.dumps(marker))
+    assert prepare(DEFAULT_TARGET) == folder and blocks.is_file()
+    assert quantized.BLOCKS_FILE in json.loads((folder / COMPLETE_MARKER).read_text())["files"]
+    with blocks.open("r+b") as handle:  # and a damaged blocks file is caught like any file of the folder
+        handle.seek(-1, 2)
+        handle.write(b"\x00" if handle.read(1) != b"\x00" else b"\x01")
+    with pytest.raises(ValueError, match="gguf-blocks.safetensors does not match the checksum"):
+        verify_prepared(folder, DEFAULT_TARGET)
