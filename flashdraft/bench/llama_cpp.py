@@ -17,10 +17,12 @@ so a method's decode tokens/s is the tool's own decode speed. Acceptance: the to
 (drafted tokens, accepted ones); each verification round emits its accepted tokens plus one of the target's, so
 rounds = decoded - accepted and tau = decoded / rounds (plain decoding: 1).
 
-The tools print text, not token ids. The text a method is compared by is what the tool printed after the prompt,
-without its end-of-generation mark (llama-completion's " [end of text]", a stop token's own text), cut to the token
-budget (the speculative tools may decode past it by part of a draft): the target tokenizer encodes it, and the first
-`max_new_tokens` ids are the method's tokens and, decoded, its text.
+The tools print text, not token ids. A method's answer is the text the tool printed after the prompt, without its
+end-of-generation mark (llama-completion's " [end of text]", a stop token's own text); its tokens are that text
+encoded by the target's tokenizer, cut to the budget. Answers are compared by text (`flashdraft.bench.metrics`):
+the speculative tools may decode past the budget by part of a draft, and a text cut at a token count is not the
+same cut in two tokenizations, so two answers agree when they are equal or when the shorter one, cut by the budget
+(not ended by the model), begins the longer one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ LOOKUP_DRAFT_MAX = 8
 DFLASH_DRAFT_MAX = 7
 TOOL_OF = {"llama.cpp": "llama-completion", "llama.cpp-lookup": "llama-lookup",
            "llama.cpp-dflash": "llama-speculative-simple"}
-END_OF_TEXT = " [end of text]"  # llama-completion's mark where the model ended the answer
+END_OF_TEXT = " [end of text]"  # llama-completion's mark after an answer the model ended
 CONTEXT_MARGIN = 64  # context positions beyond prompt + budget: a speculative round may run past the budget
 
 
@@ -44,6 +46,7 @@ class ToolOutput:
     """What one run of a llama.cpp tool printed: its answer's text and its own counts and timings."""
 
     text: str  # after the prompt; end-of-generation marks removed
+    ended: bool  # the model ended the answer (a stop token), as far as the output shows
     prompt_tokens: int  # as llama.cpp tokenized the prompt
     prefill_seconds: float
     decoded_tokens: int  # the tokens the decode seconds cover
@@ -79,33 +82,38 @@ def _find(name: str, log: str, tool: str) -> re.Match:
     return match
 
 
-def parse_output(tool: str, stdout: str, log: str, prompt: str, stop_texts: tuple[str, ...] = ()) -> ToolOutput:
+def parse_output(
+    tool: str, stdout: str, log: str, prompt: str, stop_texts: tuple[str, ...] = (), max_new_tokens: int = 0
+) -> ToolOutput:
     """Read `tool`'s answer from its stdout and its counts and timings from its log (stderr).
 
-    Every tool ends its output with two newlines. llama-completion runs with `--no-display-prompt` and marks an
-    answer the model ended with " [end of text]" and a newline; the speculative tools echo the prompt (as llama.cpp
-    renders its tokens, after two newlines) before the answer.
+    Every tool echoes the prompt as llama.cpp renders its tokens (llama-completion with `--special`, so that its
+    special tokens are written too; the other tools after two newlines), then the answer and a stop token's text if
+    the model ended it; llama-completion then marks that end with " [end of text]" and a newline. llama-completion
+    ends its output with two newlines, the other tools with four.
     """
-    text = stdout
-    if tool != "llama-completion":
-        text = text.removeprefix("\n\n")
-        if not text.startswith(prompt):
-            raise ValueError(f"{tool} did not echo the prompt as given before its answer: the prompt text did not "
-                             "survive llama.cpp's tokenizer unchanged, so its answer cannot be compared")
-        text = text[len(prompt):].removesuffix("\n\n")
-    else:
-        text = text.removesuffix("\n\n").removesuffix(END_OF_TEXT + "\n")
+    speculative = tool != "llama-completion"
+    text = stdout.removeprefix("\n\n") if speculative else stdout
+    if not text.startswith(prompt):
+        raise ValueError(f"{tool} did not echo the prompt as given before its answer: the prompt text did not "
+                         "survive llama.cpp's tokenizer unchanged, so its answer cannot be compared")
+    text = text[len(prompt):]
+    text = text.removesuffix("\n\n\n\n" if speculative else "\n\n")
+    ended = not speculative and text.endswith(END_OF_TEXT + "\n")
+    text = text.removesuffix(END_OF_TEXT + "\n")
     for stop in stop_texts:
         if stop and text.endswith(stop):
-            text = text[: -len(stop)]
+            text, ended = text[: -len(stop)], True
             break
     printed = {name: match.group(0) for name in _PATTERNS if (match := _PATTERNS[name].search(log))}
     if tool == "llama-completion":
         prompt_eval, evaluation = _find("prompt eval", log, tool), _find("eval", log, tool)
-        return ToolOutput(text, int(prompt_eval.group(2)), float(prompt_eval.group(1)) / 1000,
+        return ToolOutput(text, ended, int(prompt_eval.group(2)), float(prompt_eval.group(1)) / 1000,
                           int(evaluation.group(2)), float(evaluation.group(1)) / 1000, printed=printed)
     encoded, decoded = _find("encoded", log, tool), _find("decoded", log, tool)
-    return ToolOutput(text, int(encoded.group(1)), float(encoded.group(2)), int(decoded.group(1)),
+    # llama-speculative-simple stops at a stop token without printing it: fewer tokens than the budget show it
+    ended = ended or decoded.group(1) is not None and int(decoded.group(1)) <= max_new_tokens
+    return ToolOutput(text, ended, int(encoded.group(1)), float(encoded.group(2)), int(decoded.group(1)),
                       float(decoded.group(2)), int(_find("n_drafted", log, tool).group(1)),
                       int(_find("n_accept", log, tool).group(1)), printed)
 
@@ -152,7 +160,7 @@ def tool_command(
     common = ["-m", str(peer.target_gguf), "-f", str(prompt_file), "-n", str(max_new_tokens), "--temp", "0",
               "-t", str(peer.threads), "--no-escape", "-c", str(prompt_tokens + max_new_tokens + CONTEXT_MARGIN)]
     extra = {
-        "llama.cpp": ["-no-cnv", "--no-display-prompt"],
+        "llama.cpp": ["-no-cnv", "--special"],
         "llama.cpp-lookup": ["--spec-draft-n-max", str(LOOKUP_DRAFT_MAX)],
         "llama.cpp-dflash": ["-md", str(peer.draft_gguf), "--spec-type", "draft-dflash",
                              "--spec-draft-n-max", str(DFLASH_DRAFT_MAX)],

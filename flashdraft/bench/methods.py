@@ -63,8 +63,9 @@ class Method:
     would switch flashdraft's CPU engine off (it never calls the model's forward, so a probe would see nothing).
     A method that runs in another process and prints its own timings (llama.cpp's: `reports_timing`) also sets
     `seconds` (prefill and decode, no process start or model load), `decode_tokens` (the tokens its decode time
-    covers), `drafted` and `accepted` (its proposal counts, where it has no per-round lengths) and `text` (its answer
-    as it printed it, cut to the token budget; its `tokens` are that text encoded by the target's tokenizer)."""
+    covers), `drafted` and `accepted` (its proposal counts, where it has no per-round lengths), `text` (its answer
+    as it printed it; its `tokens` are that text encoded by the target's tokenizer, cut to the budget) and `ended`
+    (whether the model ended the answer before the budget)."""
 
     name: str
     tokens_by_source: dict[str, int] = {}
@@ -77,6 +78,7 @@ class Method:
     drafted: int | None = None
     accepted: int | None = None
     text: str | None = None
+    ended: bool = False
 
     def generate(self, input_ids: torch.Tensor, settings: DecodeSettings, seed: int) -> list[int]:
         raise NotImplementedError
@@ -246,9 +248,10 @@ class LlamaCpp(Method):
             hint = (" (an instruction this CPU does not run: build llama.cpp on this machine with `flashdraft "
                     "llama-cpp build`)" if run.returncode in (-4, 132) else "")
             raise ValueError(f"{self.tool} failed with exit status {run.returncode}{hint}: {last}")
-        output = self.output = parse_output(self.tool, run.stdout, run.stderr, prompt, stop_texts)
+        output = self.output = parse_output(self.tool, run.stdout, run.stderr, prompt, stop_texts,
+                                            settings.max_new_tokens)
         tokens = self.tokenizer.encode(output.text, add_special_tokens=False)[: settings.max_new_tokens]
-        self.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        self.text, self.ended = output.text, output.ended
         self.first_token_seconds = output.prefill_seconds
         self.seconds = output.prefill_seconds + output.decode_seconds
         self.decode_tokens = output.decoded_tokens

@@ -17,7 +17,7 @@
 - exactness (temperature 0 only): how many outputs differ from `ar`'s for the same prompt, and from llama.cpp's
   plain decoding's where it ran (`llama.cpp`: its speculative methods must match it, as flashdraft's match `ar`).
   Token ids are compared where both methods give them; a method that prints text (llama.cpp's) is compared by text
-  (the other side's tokens decoded, special tokens skipped);
+  (the other side's tokens decoded, special tokens skipped: `texts_agree`);
 - tokens by source: each proposer's share of the output tokens (accepted proposals; "target" for the rest), for
   the methods that say (flashdraft's).
 
@@ -68,10 +68,17 @@ def count_differing(records: Sequence[Record], baseline: Sequence[Record]) -> in
 
     def differs(record: Record, other: Record) -> bool:
         if record.tokens_from_text or other.tokens_from_text:
-            return record.text != other.text
+            return not texts_agree(record, other)
         return record.tokens != other.tokens
 
     return sum(differs(record, expected[(record.sample_id, record.turn)]) for record in records)
+
+
+def texts_agree(one: Record, other: Record) -> bool:
+    """Whether two answers agree by text: equal, or the shorter, cut by the token budget (not ended by the model),
+    begins the longer (a method that decodes past the budget, or a text cut at another token boundary)."""
+    shorter, longer = sorted((one, other), key=lambda record: len(record.text))
+    return shorter.text == longer.text or (not shorter.ended and longer.text.startswith(shorter.text))
 
 
 def counted_tau(records: Sequence[Record]) -> float:

@@ -153,7 +153,7 @@ def plot_acceptance(summaries: Sequence[Summary], path: Path) -> None:
         axes.set_xlabel("acceptance length (tokens per target forward)")
         axes.set_ylabel("share of rounds")
         axes.set_xticks(range(1, longest + 1))
-        if methods:  # with `ar` alone there is nothing to compare
+        if axes.get_legend_handles_labels()[0]:  # methods without per-round lengths (llama.cpp's) draw no bars
             axes.legend(fontsize="small")
     figure.savefig(path, dpi=120)
 

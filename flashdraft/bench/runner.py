@@ -51,6 +51,7 @@ class Record:
     decode_tokens: int | None = None  # the tokens the decode seconds cover, when the method counts them itself
     drafted: int | None = None  # proposals verified and accepted, when the method counts them itself (llama.cpp's)
     accepted: int | None = None
+    ended: bool = False  # the model ended the answer (a stop token) before the token budget
 
     @property
     def decode_seconds(self) -> float:
@@ -182,7 +183,8 @@ def run_benchmark(
                             Record(dataset, sample.id, turn, method.name, input_ids.shape[1], tokens, seconds,
                                    first_token, lengths, dict(method.tokens_by_source),
                                    method.text if printed else tokenizer.decode(tokens, skip_special_tokens=True),
-                                   printed, method.decode_tokens, method.drafted, method.accepted)
+                                   printed, method.decode_tokens, method.drafted, method.accepted,
+                                   method.ended if printed else bool(tokens) and tokens[-1] in settings.stop_token_ids)
                         )
                         if method is methods[0]:
                             baseline = tokens

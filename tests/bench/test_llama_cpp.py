@@ -13,11 +13,11 @@ import torch
 
 from flashdraft.bench.llama_cpp import LlamaCppPeer, parse_output
 from flashdraft.bench.methods import DecodeSettings, LlamaCpp, build_methods
-from flashdraft.bench.metrics import summarize
+from flashdraft.bench.metrics import summarize, texts_agree
 from flashdraft.bench.report import markdown_table
 from flashdraft.bench.runner import Record
 from flashdraft.cli import main
-from flashdraft.llama_cpp import build_llama_cpp, export_draft_gguf, find_llama_cpp, target_gguf
+from flashdraft.llama_cpp import build_llama_cpp, export_draft_gguf, find_llama_cpp
 
 from tiny import tiny_tokenizer
 
@@ -51,10 +51,10 @@ args = sys.argv[1:]
 prompt = pathlib.Path(args[args.index("-f") + 1]).read_text(encoding="utf-8")
 answer = (here / "answer.txt").read_text(encoding="utf-8")
 if tool == "llama-completion":
-    sys.stdout.write(answer + " [end of text]\\n" + "\\n\\n")
+    sys.stdout.write(prompt + answer + "<eot> [end of text]\\n" + "\\n\\n")
     sys.stderr.write({completion!r})
 else:
-    sys.stdout.write("\\n\\n" + prompt + answer + "\\n\\n")
+    sys.stdout.write("\\n\\n" + prompt + answer + "\\n\\n" + "\\n\\n")
     sys.stderr.write({speculative!r})
 """
 
@@ -72,26 +72,32 @@ def fake_llama_cpp(root: Path, answer: str, tools=("llama-completion", "llama-lo
 
 
 def test_completion_output_is_read_as_printed():
-    output = parse_output("llama-completion", "w5 w6\nw7 [end of text]\n\n\n", COMPLETION_LOG, "w1 w2")
-    assert output.text == "w5 w6\nw7"
+    output = parse_output("llama-completion", "w1 w2w5 w6\nw7<eot> [end of text]\n\n\n", COMPLETION_LOG, "w1 w2",
+                          ("<eot>",))
+    assert output.text == "w5 w6\nw7" and output.ended
     assert (output.prompt_tokens, output.prefill_seconds) == (3, 0.05)
     assert (output.decoded_tokens, output.decode_seconds) == (4, 0.2)  # "eval time", not "prompt eval time"
     assert (output.drafted, output.accepted, output.tau) == (0, 0, 1.0)
     # an answer cut by the token budget has no end mark; its own trailing newline stays
-    assert parse_output("llama-completion", "w5\n\n\n", COMPLETION_LOG, "w1").text == "w5\n"
+    cut = parse_output("llama-completion", "w1w5\n\n\n", COMPLETION_LOG, "w1")
+    assert (cut.text, cut.ended) == ("w5\n", False)
 
 
 def test_speculative_output_drops_the_echoed_prompt_and_the_stop_token():
     prompt = "<user> say \\t <eot> <assistant>"
-    stdout = "\n\n" + prompt + "w5 w6<eot>\n\n"
+    stdout = "\n\n" + prompt + "w5 w6<eot>\n\n\n\n"
     output = parse_output("llama-speculative-simple", stdout, SPECULATIVE_LOG, prompt, ("<eot>",))
-    assert output.text == "w5 w6"
+    assert output.text == "w5 w6" and output.ended
+    # llama-speculative-simple prints no stop token: fewer tokens decoded than the budget say the model ended
+    unmarked = "\n\n" + prompt + "w5 w6\n\n\n\n"
+    assert parse_output("llama-speculative-simple", unmarked, SPECULATIVE_LOG, prompt, (), 8).ended
+    assert not parse_output("llama-speculative-simple", unmarked, SPECULATIVE_LOG, prompt, (), 5).ended
     assert (output.prompt_tokens, output.prefill_seconds, output.decoded_tokens, output.decode_seconds) == \
         (3, 0.05, 6, 0.15)
     # 6 tokens, 4 of them accepted proposals: 2 rounds, tau 3
     assert (output.drafted, output.accepted, output.tau) == (7, 4, 3.0)
     with pytest.raises(ValueError, match="did not echo the prompt"):
-        parse_output("llama-lookup", "\n\nsomething else w5\n\n", SPECULATIVE_LOG, prompt)
+        parse_output("llama-lookup", "\n\nsomething else w5\n\n\n\n", SPECULATIVE_LOG, prompt)
     with pytest.raises(ValueError, match="printed no 'n_accept' line"):
         parse_output("llama-lookup", stdout, SPECULATIVE_LOG.replace("n_accept", "n_other"), prompt)
 
@@ -134,14 +140,14 @@ def test_methods_run_the_tools_on_the_prompt_text_unchanged(tmp_path):
     for method in methods[1:]:
         tokens = method.generate(input_ids, settings, seed=0)
         assert tokens == tokenizer.encode("w5 w6 w7", add_special_tokens=False)  # cut to the budget
-        assert method.text == "w5 w6 w7"
+        assert method.text == "w5 w6 w7 w8"  # as printed: compared by prefix (metrics.texts_agree)
         args = json.loads((bin_folder / f"{method.tool}.args.json").read_text())
         assert args[args.index("-m") + 1] == str(tmp_path / "target.gguf")
         assert args[args.index("-n") + 1] == "3" and args[args.index("--temp") + 1] == "0"
         assert args[args.index("-t") + 1] == "2" and "--no-escape" in args
         assert int(args[args.index("-c") + 1]) >= len(prompt_ids) + 3
     completion, lookup, dflash = methods[1:]
-    assert "-no-cnv" in json.loads((bin_folder / "llama-completion.args.json").read_text())
+    assert {"-no-cnv", "--special"} <= set(json.loads((bin_folder / "llama-completion.args.json").read_text()))
     assert (completion.seconds, completion.first_token_seconds, completion.decode_tokens) == (0.25, 0.05, 4)
     assert (completion.drafted, completion.accepted) == (0, 0)
     lookup_args = json.loads((bin_folder / "llama-lookup.args.json").read_text())
@@ -172,9 +178,18 @@ def test_prompt_file_keeps_backslashes_and_special_tokens(tmp_path):
     assert "--no-escape" in args and "a\\tb" in tokenizer.decode(ids)
 
 
-def _record(method, tokens, text, seconds=1.0, **counted):
-    return Record("humaneval", "h0", 0, method, 5, tokens, seconds, 0.2, [] if counted else [1] * len(tokens),
-                  {}, text, bool(counted), **counted)
+def _record(method, tokens, text, seconds=1.0, sample="h0", ended=False, **counted):
+    return Record("humaneval", sample, 0, method, 5, tokens, seconds, 0.2, [] if counted else [1] * len(tokens),
+                  {}, text, bool(counted), **counted, ended=ended)
+
+
+def test_texts_agree_up_to_the_budget_not_past_an_end():
+    cut = _record("ar", [1, 2], "w1 w2")
+    assert texts_agree(cut, _record("llama.cpp-lookup", [1, 2], "w1 w2 w3", decode_tokens=3, accepted=1))
+    assert texts_agree(cut, _record("llama.cpp", [1, 2], "w1 w2", decode_tokens=1, accepted=0))
+    ended = _record("ar", [1, 2], "w1 w2", ended=True)
+    assert not texts_agree(ended, _record("llama.cpp", [1, 2, 3], "w1 w2 w3", decode_tokens=2, accepted=0))
+    assert not texts_agree(cut, _record("llama.cpp", [1, 4], "w1 w4", decode_tokens=1, accepted=0))
 
 
 def test_metrics_compare_printed_text_and_count_rounds():
@@ -290,30 +305,24 @@ def test_the_three_llama_cpp_methods_on_the_default_target(tmp_path, smollm2_fol
     if folder is None:
         pytest.skip("llama.cpp is not built: run `flashdraft llama-cpp build` (or set FLASHDRAFT_LLAMA_CPP)")
     pytest.importorskip("sentencepiece", reason="the draft's conversion needs sentencepiece (flashdraft[llama-cpp])")
-    from transformers import AutoTokenizer
-
-    from flashdraft.models import DEFAULT_TARGET, shipped_draft
-    from flashdraft.text import encode_chat
-
-    names = ["llama.cpp", "llama.cpp-lookup", "llama.cpp-dflash"]
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
-    llama = find_llama_cpp(folder)
-    # the draft converted into the test's folder (prepare_peer would cache it under FLASHDRAFT_HOME)
-    draft_gguf = export_draft_gguf(shipped_draft(DEFAULT_TARGET, None), smollm2_folder, tmp_path / "d.gguf", llama)
-    peer = LlamaCppPeer(llama, target_gguf(DEFAULT_TARGET), draft_gguf, threads=2)
-    methods = build_methods(names, target=None, tokenizer=tokenizer, draft=object(), llama_cpp=peer)[1:]
-    ids = torch.tensor([encode_chat(tokenizer, [{"role": "user", "content": "Write a Python function that adds two "
-                                                 "numbers."}])])
-    settings = DecodeSettings(16, 0.0, (tokenizer.convert_tokens_to_ids("<|im_end|>"),))
-    answers = {}
-    for method in methods:
-        tokens = method.generate(ids, settings, seed=0)
-        output = method.output
-        assert 0 < len(tokens) <= 16 and method.text
-        assert output.prompt_tokens in (ids.shape[1], ids.shape[1] + 1)  # the same prompt (a BOS at most added)
-        assert output.decode_seconds > 0 and output.decoded_tokens > 0
-        answers[method.name] = method.text
-    assert methods[0].accepted == 0
-    assert methods[1].drafted >= methods[1].accepted >= 0 and methods[2].drafted > 0
-    # prompt lookup is lossless: the same text as llama.cpp's own plain decoding
-    assert answers["llama.cpp-lookup"] == answers["llama.cpp"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "add", "prompt": "Write a Python function that adds two numbers."}) + "\n")
+    # the whole command: the draft is converted into the tests' own FLASHDRAFT_HOME, the outputs into tmp_path
+    code = main(["bench", "--methods", "llama.cpp", "llama.cpp-lookup", "llama.cpp-dflash", "--datasets", str(prompts),
+                 "--max-new-tokens", "16", "--llama-cpp", str(folder), "--output-dir", str(tmp_path / "out")])
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["settings"]["llama_cpp"]["version"].startswith("version:")
+    summaries = {summary["method"]: summary for summary in results["summary"]}
+    assert set(summaries) == {"ar", "llama.cpp", "llama.cpp-lookup", "llama.cpp-dflash"}
+    records = {record["method"]: record for record in results["records"]}
+    for name in ("llama.cpp", "llama.cpp-lookup", "llama.cpp-dflash"):
+        record = records[name]
+        assert record["tokens_from_text"] and record["text"] and 0 < len(record["tokens"]) <= 16
+        assert record["decode_tokens"] > 0 and summaries[name]["decode_tokens_per_second"] > 0
+        assert summaries[name]["differs_from_ar"] in (0, 1) and summaries[name]["speedup"] is not None
+    assert summaries["llama.cpp"]["tau"] == 1.0 and records["llama.cpp"]["accepted"] == 0
+    assert records["llama.cpp-dflash"]["drafted"] > 0 and summaries["llama.cpp-dflash"]["tau"] >= 1.0
+    # prompt lookup is lossless: llama.cpp's own plain decoding's text (the DFlash one is reported, not required)
+    assert summaries["llama.cpp-lookup"]["differs_from_llama_cpp"] == 0
+    assert summaries["llama.cpp-dflash"]["differs_from_llama_cpp"] in (0, 1)

@@ -53,7 +53,7 @@ def test_written_report(tmp_path):
         "dataset": "gsm8k", "sample_id": "g0", "turn": 0, "method": "flashdraft-b4", "prompt_tokens": 9,
         "tokens": [6, 7, 9], "seconds": 0.5, "time_to_first_token": 0.25, "acceptance_lengths": [2],
         "tokens_by_source": {}, "text": "", "tokens_from_text": False, "decode_tokens": None, "drafted": None,
-        "accepted": None,
+        "accepted": None, "ended": False,
     }
     first = results["summary"][2]
     assert (first["dataset"], first["method"]) == ("humaneval", "flashdraft-b4")
