@@ -17,7 +17,7 @@ from flashdraft.bench.metrics import summarize, texts_agree
 from flashdraft.bench.report import markdown_table
 from flashdraft.bench.runner import Record
 from flashdraft.cli import main
-from flashdraft.llama_cpp import build_llama_cpp, export_draft_gguf, find_llama_cpp
+from flashdraft.llama_cpp import build_llama_cpp, export_draft_gguf, find_llama_cpp, target_gguf
 
 from tiny import tiny_tokenizer
 
@@ -283,6 +283,30 @@ def test_build_unpacks_the_sdist_and_builds_only_the_benchmark_tools(tmp_path, m
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not empty and holds no llama.cpp sources"):
         build_llama_cpp(tmp_path / "other", sdist=sdist)
+
+
+def test_split_target_gguf_is_concatenated_once_and_checked(tmp_path, monkeypatch):
+    import dataclasses
+    import hashlib
+
+    import flashdraft.models as models
+
+    parts = [tmp_path / "part01.bin", tmp_path / "part02.bin"]
+    parts[0].write_bytes(b"GGUF" + b"a" * 100)
+    parts[1].write_bytes(b"b" * 50)
+    whole = parts[0].read_bytes() + parts[1].read_bytes()
+    entry = dataclasses.replace(models.REGISTRY["qwen2.5-coder-0.5b-instruct"], name="split-test",
+                                gguf_size=len(whole), gguf_sha256=hashlib.sha256(whole).hexdigest())
+    monkeypatch.setattr(models, "registered_model", lambda name: entry)
+    monkeypatch.setattr(models, "locate_files", lambda given: parts)
+    path = target_gguf("split-test")
+    assert path.read_bytes() == whole and path.parent.parent == models.cache_home()
+    parts[1].write_bytes(b"c" * 50)  # an assembled file of the right size is not assembled again
+    assert target_gguf("split-test").read_bytes() == whole
+    path.unlink()
+    with pytest.raises(ValueError, match="not the pinned"):
+        target_gguf("split-test")
+    assert not list(path.parent.glob("split-test*"))
 
 
 def _llama_cpp_for_tests() -> Path | None:
