@@ -6,7 +6,8 @@
                       draft converted to GGUF by llama.cpp's own converter (`flashdraft.llama_cpp`)
 
 Every call starts the tool on the chat-templated prompt text exactly as flashdraft's methods get it (decoded from
-the same prompt ids, written to a file, read with `--no-escape` so that a backslash stays a backslash), greedy
+the same prompt ids, written to a file read byte for byte with `-bf`, since `-f` drops the file's trailing newline,
+which ends every chat prompt, and with `--no-escape` so that a backslash stays a backslash), greedy
 (`--temp 0`), the same new-token budget and the same thread count. The tool loads the model on every call, so the
 wall clock would count a model load: the runner takes these methods' timings from what the tool prints instead:
 
@@ -157,7 +158,8 @@ def tool_command(
     name: str, peer: LlamaCppPeer, prompt_file: Path, prompt_tokens: int, max_new_tokens: int
 ) -> list[str]:
     """The command line of method `name` (a key of `TOOL_OF`) on one prompt file, greedy."""
-    common = ["-m", str(peer.target_gguf), "-f", str(prompt_file), "-n", str(max_new_tokens), "--temp", "0",
+    # -bf, not -f: llama.cpp drops a trailing newline from a -f file, and a chat prompt ends with one
+    common = ["-m", str(peer.target_gguf), "-bf", str(prompt_file), "-n", str(max_new_tokens), "--temp", "0",
               "-t", str(peer.threads), "--no-escape", "-c", str(prompt_tokens + max_new_tokens + CONTEXT_MARGIN)]
     extra = {
         "llama.cpp": ["-no-cnv", "--special"],

@@ -48,7 +48,7 @@ here = pathlib.Path(__file__).parent
 tool = pathlib.Path(sys.argv[0]).name
 args = sys.argv[1:]
 (here / (tool + ".args.json")).write_text(json.dumps(args))
-prompt = pathlib.Path(args[args.index("-f") + 1]).read_text(encoding="utf-8")
+prompt = pathlib.Path(args[args.index("-bf") + 1]).read_text(encoding="utf-8")
 answer = (here / "answer.txt").read_text(encoding="utf-8")
 if tool == "llama-completion":
     sys.stdout.write(prompt + answer + "<eot> [end of text]\\n" + "\\n\\n")
@@ -145,6 +145,7 @@ def test_methods_run_the_tools_on_the_prompt_text_unchanged(tmp_path):
         assert args[args.index("-m") + 1] == str(tmp_path / "target.gguf")
         assert args[args.index("-n") + 1] == "3" and args[args.index("--temp") + 1] == "0"
         assert args[args.index("-t") + 1] == "2" and "--no-escape" in args
+        assert "-f" not in args  # llama.cpp drops the trailing newline of a -f file; -bf reads it as it is
         assert int(args[args.index("-c") + 1]) >= len(prompt_ids) + 3
     completion, lookup, dflash = methods[1:]
     assert {"-no-cnv", "--special"} <= set(json.loads((bin_folder / "llama-completion.args.json").read_text()))
