@@ -247,6 +247,28 @@ def test_export_runs_the_converter_with_its_gguf_py(tmp_path):
         find_llama_cpp(tmp_path / "draft").converter  # noqa: B018
 
 
+def test_export_gguf_command(tmp_path, capsys):
+    from bench.tiny_bench import save_tiny_bench_folders
+
+    save_tiny_bench_folders(tmp_path, [])
+    sources = tmp_path / "llama.cpp"
+    (sources / "gguf-py").mkdir(parents=True)
+    (sources / "convert_hf_to_gguf.py").write_text(
+        "import sys\nargs = sys.argv[1:]\nopen(args[args.index('--outfile') + 1], 'w').write(' '.join(args))\n")
+    pytest.importorskip("sentencepiece")
+    out = tmp_path / "draft.gguf"
+    assert main(["draft", "export-gguf", str(tmp_path / "draft"), "--target", str(tmp_path / "target"), "-o",
+                 str(out), "--outtype", "q8_0", "--llama-cpp", str(sources)]) == 0
+    written = out.read_text().split()
+    assert written[0] == str(tmp_path / "draft") and written[written.index("--outtype") + 1] == "q8_0"
+    assert written[written.index("--target-model-dir") + 1] == str(tmp_path / "target")
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert main(["draft", "export-gguf", str(tmp_path / "draft"), "-o", str(out), "--llama-cpp",
+                 str(tmp_path / "none")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "flashdraft llama-cpp build" in error
+
+
 def test_build_unpacks_the_sdist_and_builds_only_the_benchmark_tools(tmp_path, monkeypatch):
     # an sdist holding a vendored llama.cpp, and a cmake that records its calls and "builds" the targets named
     vendored = tmp_path / "sdist" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
