@@ -29,7 +29,7 @@ same cut in two tokenizations, so two answers agree when they are equal or when 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..llama_cpp import LlamaCpp, cached_draft_gguf, find_llama_cpp, target_gguf
@@ -54,7 +54,6 @@ class ToolOutput:
     decode_seconds: float
     drafted: int = 0  # n_drafted: proposals verified (0 for plain decoding)
     accepted: int = 0  # n_accept: proposals accepted
-    printed: dict[str, str] = field(default_factory=dict)  # the timing lines as printed, for the records
 
     @property
     def tau(self) -> float:
@@ -106,17 +105,16 @@ def parse_output(
         if stop and text.endswith(stop):
             text, ended = text[: -len(stop)], True
             break
-    printed = {name: match.group(0) for name in _PATTERNS if (match := _PATTERNS[name].search(log))}
     if tool == "llama-completion":
         prompt_eval, evaluation = _find("prompt eval", log, tool), _find("eval", log, tool)
         return ToolOutput(text, ended, int(prompt_eval.group(2)), float(prompt_eval.group(1)) / 1000,
-                          int(evaluation.group(2)), float(evaluation.group(1)) / 1000, printed=printed)
+                          int(evaluation.group(2)), float(evaluation.group(1)) / 1000)
     encoded, decoded = _find("encoded", log, tool), _find("decoded", log, tool)
     # llama-speculative-simple stops at a stop token without printing it: fewer tokens than the budget show it
     ended = ended or decoded.group(1) is not None and int(decoded.group(1)) <= max_new_tokens
     return ToolOutput(text, ended, int(encoded.group(1)), float(encoded.group(2)), int(decoded.group(1)),
                       float(decoded.group(2)), int(_find("n_drafted", log, tool).group(1)),
-                      int(_find("n_accept", log, tool).group(1)), printed)
+                      int(_find("n_accept", log, tool).group(1)))
 
 
 @dataclass(frozen=True)
