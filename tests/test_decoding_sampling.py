@@ -111,16 +111,23 @@ def exact_distribution(target, prompt=PROMPT) -> dict[tuple, float]:
 
 def fit_p_value(counts: Counter, exact: dict[tuple, float]) -> float:
     """Chi-square goodness-of-fit test of the sampled `counts` against the `exact` distribution; cells expected
-    fewer than 10 times are pooled; a sample the exact distribution gives no probability fails at once (0.0). p-value
-    from the Wilson-Hilferty normal approximation."""
+    fewer than 10 times are pooled with their neighbours in order of probability into groups expected at least 10
+    times (a partition fixed by the exact distribution and the sample size alone); a sample the exact distribution
+    gives no probability fails at once (0.0). p-value from the Wilson-Hilferty normal approximation."""
     n = sum(counts.values())
     if any(cell not in exact for cell in counts):
         return 0.0
-    pairs = [(counts[cell], n * p) for cell, p in exact.items() if n * p >= 10]
-    pooled = [(counts[cell], n * p) for cell, p in exact.items() if n * p < 10]
-    if pooled:
-        pairs.append((sum(observed for observed, _ in pooled), sum(expected for _, expected in pooled)))
-    statistic = sum((observed - expected) ** 2 / expected for observed, expected in pairs)
+    pairs, observed, expected = [], 0, 0.0
+    for cell, p in sorted(exact.items(), key=lambda item: item[1]):
+        observed, expected = observed + counts[cell], expected + n * p
+        if expected >= 10:
+            pairs.append((observed, expected))
+            observed, expected = 0, 0.0
+    if expected > 0:  # what is left (the likeliest cells, when even they are expected fewer than 10 times)
+        pairs[-1] = (pairs[-1][0] + observed, pairs[-1][1] + expected) if pairs else (observed, expected)
+    if len(pairs) < 2:
+        return 1.0  # too few draws to tell anything
+    statistic = sum((o - e) ** 2 / e for o, e in pairs)
     return wilson_hilferty(statistic, len(pairs) - 1)
 
 
