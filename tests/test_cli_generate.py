@@ -68,6 +68,8 @@ def test_statistics_line_says_when_speculation_was_off():
     assert "| tau 4.00 |" in statistics_line(speculated, speculating=True)
     plain = GenerationResult(tokens=[1, 2], acceptance_lengths=[1], block_sizes=[1])
     assert "| no speculation (block size 1) |" in statistics_line(plain, speculating=False)
+    one = GenerationResult(tokens=[7], stop_reason="length")
+    assert statistics_line(one, speculating=True).startswith("[1 token (target 1) | no round after the first token |")
 
 
 def test_verbose_prints_every_round(folders, capsys):

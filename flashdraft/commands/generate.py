@@ -116,6 +116,9 @@ def statistics_line(result, speculating: bool) -> str:
     else:
         acceptance = f"tau {result.tau:.2f}"
     sources = ", ".join(f"{source} {count}" for source, count in result.tokens_by_source.items())
-    tokens = f"{len(result.tokens)} tokens ({sources})" if speculating else f"{len(result.tokens)} tokens"
-    return (f"[{tokens} | {acceptance} | {result.tokens_per_second:.1f} tokens/s | "
-            f"first token {result.time_to_first_token * 1000:.0f} ms | stop: {result.stop_reason}]")
+    tokens = f"{len(result.tokens)} token{'s' * (len(result.tokens) != 1)}"
+    tokens += f" ({sources})" if speculating else ""
+    # Without a round after the prefill (one token, or a stop at the first) there is no tau or speed to show.
+    speed = f"{acceptance} | {result.tokens_per_second:.1f} tokens/s" if rounds else "no round after the first token"
+    return (f"[{tokens} | {speed} | first token {result.time_to_first_token * 1000:.0f} ms | "
+            f"stop: {result.stop_reason}]")
