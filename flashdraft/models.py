@@ -421,9 +421,9 @@ def prepare(name: str) -> Path:
     models_dir = cache_home() / "models"
     final = models_dir / name
     if _is_complete(final, entry):
-        verify_prepared(final, name)
         if not (final / BLOCKS_FILE).is_file():  # prepared before the GGUF's blocks were kept beside it
             _add_blocks(final, name, entry)
+        verify_prepared(final, name)
         return final
     files = locate_files(entry)  # before taking the lock: a missing package fails at once
     models_dir.mkdir(parents=True, exist_ok=True)

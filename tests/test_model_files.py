@@ -104,6 +104,7 @@ def test_a_prepared_folder_is_verified_and_hashed_again_only_after_a_change(tmp_
     import flashdraft.models as models
 
     folder = fake_prepared(tmp_path, monkeypatch)
+    assert prepare(NAME) == folder  # a folder prepared before the GGUF's blocks were kept gets them, once
     hashed = []
     real = models.file_sha256
     monkeypatch.setattr(models, "file_sha256", lambda path: hashed.append(path.name) or real(path))

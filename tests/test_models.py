@@ -222,6 +222,7 @@ def test_prepare_converts_to_a_folder_that_reproduces_the_gguf_model(tiny, fake_
             "chat_template.jinja",
             "config.json",
             "generation_config.json",
+            "gguf-blocks.safetensors",  # the GGUF's own quantized blocks, for int8 arithmetic
             "model.safetensors",
             "tokenizer.json",
             "tokenizer_config.json",
