@@ -584,41 +584,6 @@ def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = 
         ) from error
 
 
-def _from_pretrained(loader, name_or_path: str, what: str, *, extra_help: str = "", **kwargs):
-    """`loader.from_pretrained` on a local folder or a hub id ("owner/name"), with errors saying what was tried."""
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        try:
-            return loader.from_pretrained(str(path), **kwargs)
-        except Exception as error:  # noqa: BLE001 - safetensors and JSON errors alike mean a damaged folder
-            if isinstance(error, (ValueError, FileNotFoundError)) and str(path) in str(error):
-                raise  # flashdraft's own checks (a draft folder's), already naming the file
-            raise ValueError(
-                f"{what} folder {path} could not be read ({type(error).__name__}: {str(error).splitlines()[0]}): "
-                "a file in it is damaged or incomplete; restore or re-create the folder"
-            ) from None
-    if not _is_hub_id(name_or_path):
-        raise FileNotFoundError(
-            f"{what} {name_or_path!r} is neither an existing folder nor a hub id (owner/name).{extra_help}"
-        )
-    if reason := _hub_unavailable():
-        # Only the hub's local cache can help, and it answers at once (online, the client would retry for ~30 s).
-        try:
-            return loader.from_pretrained(name_or_path, local_files_only=True, **kwargs)
-        except OSError:
-            raise ValueError(
-                f"{what} {name_or_path!r} is not a local folder, and as a hub id it needs the Hugging Face hub: "
-                f"unreachable ({reason}), and not in the local hub cache.{extra_help}"
-            ) from None
-    try:
-        return loader.from_pretrained(name_or_path, **kwargs)
-    except OSError as error:
-        raise FileNotFoundError(
-            f"could not load {what} {name_or_path!r}: no such folder, and the Hugging Face hub did not provide it "
-            f"({error})."
-        ) from error
-
-
 def _reference_loss(config) -> tuple[str, float] | None:
     """(name, recorded loss) of the registry model whose architecture facts `config` has, if its loss is recorded."""
     config = config.get_text_config()
