@@ -26,7 +26,7 @@ import torch
 
 from . import native
 from .engine import THREADING_VARIABLES, interleaved_seconds
-from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement
+from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement, shape_key
 from .sampling import SamplingParams
 from .target import TargetModel, synchronize
 
@@ -138,9 +138,9 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
     # alone, so every folder of one architecture shares them.
     identity = json.dumps(
         {
-            "model": target.config.to_json_string(use_diff=False),
+            "model": shape_key(target.config),
             "proposer": type(proposer).__name__,
-            "draft": draft.config.to_json_string(use_diff=False) if draft is not None else None,
+            "draft": shape_key(draft.config) if draft is not None else None,
             "engine": target.engine_name,
             # The engine's kernel choice decides its costs: a new kernel (or a new measurement) prices anew.
             "kernels": target.engine.kernels.table if target.engine is not None else None,

@@ -51,6 +51,7 @@ from .files import (
     cached_measurement,
     other_processes_cpu,
     save_measurement,
+    shape_key,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -1067,7 +1068,7 @@ def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
     """`measure_kernels`, once per model shape, thread count and library versions, then read from disk."""
     identity = json.dumps(
         {
-            "model": engine.config.to_json_string(use_diff=False),
+            "model": shape_key(engine.config),
             "threads": torch.get_num_threads(),
             # Whether torch's threads spin between operators decides which kernels win (see measure_kernels).
             "environment": {name: os.environ.get(name) for name in THREADING_VARIABLES},
@@ -1092,7 +1093,7 @@ def cached_kernels(engine: Engine, progress: bool = True) -> KernelChoice:
 
     busy = other_processes_cpu() >= BUSY_CORES
     with tqdm(total=len(KERNEL_ROWS), desc="measuring this machine's fastest kernels (once per model shape)",
-              unit="row count", leave=False, disable=not progress) as bar:
+              unit="shape", leave=False, disable=not progress) as bar:
         choice = measure_kernels(engine, progress=lambda rows: bar.update())
     save_measurement(path, choice.table, busy)
     return choice

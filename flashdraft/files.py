@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -125,9 +126,22 @@ def cached_measurement(path: Path) -> dict | None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(saved, dict) or (saved.pop(_BUSY_MARK, False) and other_processes_cpu() < BUSY_CORES):
+    if not isinstance(saved, dict):
+        return None
+    if saved.pop(_BUSY_MARK, False) and other_processes_cpu() < BUSY_CORES:
+        print(f"measuring again: {path.parent.name}/{path.name} was measured while other work kept this machine busy, "
+              "and it is quiet now", file=sys.stderr)
         return None
     return saved
+
+
+def shape_key(config) -> str:
+    """A model config as a cache key of what depends on its shape alone (kernels, costs): every field but the ones
+    that name a folder or a model, so that a copy of a model in another folder shares its measurements."""
+    fields = config.to_dict()
+    for name in ("_name_or_path", "name_or_path", "_commit_hash", "transformers_version"):
+        fields.pop(name, None)
+    return json.dumps(fields, sort_keys=True, default=str)
 
 
 def save_measurement(path: Path, measurement: dict, busy: bool) -> None:

@@ -181,3 +181,27 @@ def test_a_prepared_registry_target_keeps_its_gguf_blocks_and_an_older_folder_ge
         handle.write(b"\x00" if handle.read(1) != b"\x00" else b"\x01")
     with pytest.raises(ValueError, match="gguf-blocks.safetensors does not match the checksum"):
         verify_prepared(folder, DEFAULT_TARGET)
+
+
+def test_a_copy_of_a_model_in_another_folder_shares_its_measurements(tmp_path):
+    from flashdraft.files import shape_key
+
+    model, _ = load_target(str(gguf_target(tmp_path / "a")))
+    copy, _ = load_target(str(gguf_target(tmp_path / "b")))
+    assert model.config._name_or_path != copy.config._name_or_path
+    assert shape_key(model.config) == shape_key(copy.config)
+    copy.config.rope_theta = 20.0  # a field that changes what is computed changes the key
+    assert shape_key(model.config) != shape_key(copy.config)
+
+
+def test_a_measurement_taken_on_a_busy_machine_says_why_it_is_measured_again(tmp_path, monkeypatch, capsys):
+    import flashdraft.files as files
+
+    path = tmp_path / "costs" / "abc.json"
+    files.save_measurement(path, {"verify": {"1": 0.01}}, busy=True)
+    monkeypatch.setattr(files, "other_processes_cpu", lambda: 0.0)
+    assert files.cached_measurement(path) is None
+    assert "measuring again: costs/abc.json was measured while other work kept this machine busy" in (
+        capsys.readouterr().err)
+    files.save_measurement(path, {"verify": {"1": 0.01}}, busy=False)
+    assert files.cached_measurement(path) == {"verify": {"1": 0.01}}
