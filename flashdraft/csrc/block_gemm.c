@@ -204,15 +204,7 @@ PANELS_AVX512(5, 32)
 PANELS_AVX512(8, 32)
 PANELS_AVX512(8, 16)
 
-static int panels_fast(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, long first,
-                       long end) {
-    if (w->block == 32 && w->bits == 4) panels_4_32(w, x, y, ldy, M, first, end);
-    else if (w->block == 32 && w->bits == 5) panels_5_32(w, x, y, ldy, M, first, end);
-    else if (w->block == 32 && w->bits == 8) panels_8_32(w, x, y, ldy, M, first, end);
-    else if (w->block == 16 && w->bits == 8) panels_8_16(w, x, y, ldy, M, first, end);
-    else return 0;
-    return 1;
-}
+#define FAST_PANELS
 static const char *VERSION = "avx512-vnni";
 
 /* ---- AVX2: each panel as two halves of 8 rows; u8 x s8 pairs summed in int16 (never saturating: codes of up to
@@ -309,6 +301,15 @@ PANELS_AVX2(5, 32)
 PANELS_AVX2(8, 32)
 PANELS_AVX2(8, 16)
 
+#define FAST_PANELS
+static const char *VERSION = "avx2";
+
+#else
+static const char *VERSION = "portable";
+#endif
+
+/* The fast versions' panels by weight form; 0 where there are none (the portable build) or none for the form. */
+#ifdef FAST_PANELS
 static int panels_fast(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, long first,
                        long end) {
     if (w->block == 32 && w->bits == 4) panels_4_32(w, x, y, ldy, M, first, end);
@@ -318,14 +319,11 @@ static int panels_fast(const block_weight *w, const quantized_rows *x, float *y,
     else return 0;
     return 1;
 }
-static const char *VERSION = "avx2";
-
 #else
 static int panels_fast(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, long first,
                        long end) {
     return 0;
 }
-static const char *VERSION = "portable";
 #endif
 
 const char *block_gemm_version(void) { return VERSION; }
