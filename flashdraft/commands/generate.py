@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from flashdraft.commands.options import (
     add_block_size_option,
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         check_source(args.draft, "draft")
     status(f"Loading {target_name} ...")
     from flashdraft.decoding import stream
+    from flashdraft.evaluation.check import warn_if_weak
     from flashdraft.models import load_draft, load_target
     from flashdraft.text import IncrementalText, encode_chat, stop_token_ids
 
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if not (args.block_size == 1 and args.draft is None):
         draft_path, proposals = draft_or_lookup(args.draft, proposals, target_name, target.config)
         draft = None if draft_path is None else load_draft(draft_path, device=device, dtype=dtype)
+        if draft is not None:  # a draft that accepts far less than its folder records says so (lossless either way)
+            warn_if_weak(Path(draft_path), target, tokenizer, draft)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     chat_template = not args.no_chat_template and bool(tokenizer.chat_template)

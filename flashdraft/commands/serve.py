@@ -7,6 +7,7 @@ import copy
 import errno
 import socket
 import sys
+from pathlib import Path
 
 from flashdraft.commands.options import (
     add_block_size_option,
@@ -126,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_draft:
             draft_path, proposals = draft_or_lookup(args.draft, proposals, target_name, model.config)
             draft = None if draft_path is None else load_draft(draft_path, device=device, dtype=dtype)
+            if draft is not None:  # a draft that accepts far less than its folder records says so
+                from flashdraft.evaluation.check import warn_if_weak  # torch: loaded by now
+
+                warn_if_weak(Path(draft_path), model, tokenizer, draft)
         engine = Engine.from_models(
             model, tokenizer, draft, name=args.served_model_name or target_name, block_size=args.block_size,
             proposals=proposals,
