@@ -46,6 +46,7 @@ from . import native, quantized
 from .draft import DraftCache
 from .files import (
     BUSY_CORES,
+    COMPLETE_MARKER,
     WAITING_VARIABLES,
     cache_home,
     cached_measurement,
@@ -472,6 +473,7 @@ def native_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
 # per 32 values (`quantized`, `csrc/block_gemm.c`), what llama.cpp computes; auto, int8 where the target has GGUF
 # blocks.
 ARITHMETICS = ("auto", "float32", "int8")
+CHECKED_ROWS = 64  # rows of each weight compared with its blocks where a checksum covers the blocks file
 
 
 def arithmetic_setting() -> str:
@@ -551,6 +553,11 @@ class Engine:
                 raise ValueError(f"int8 arithmetic cannot run this target: {why}; use float32")
             return "float32", {}
         blocks = quantized.GGUFBlocks(path)
+        # A prepared registry folder verifies the blocks file's checksum at every load: a sample of each weight's
+        # rows then finds its order and a file of another model; any other folder's blocks are compared whole.
+        marker = folder / COMPLETE_MARKER
+        covered = marker.is_file() and quantized.BLOCKS_FILE in marker.read_text()
+        sample = CHECKED_ROWS if covered else None
         llama = self.config.model_type == "llama"  # llama.cpp permutes a Llama's q and k rows
         weights: dict[int, quantized.FusedBlocks] = {}
         left: list[str] = []
@@ -563,13 +570,13 @@ class Engine:
             for kind, (linears, heads) in sources.items():
                 names = [f"blk.{index}.{tensor}.weight" for tensor in quantized.LAYER_TENSORS[kind]]
                 fused = quantized.fused_blocks(blocks, names, [linear.weight for linear in linears],
-                                               heads if llama else (None,) * len(linears))
+                                               heads if llama else (None,) * len(linears), sample)
                 if isinstance(fused, str):
                     left.append(fused)
                 else:
                     weights[id(getattr(layer, kind))] = fused
         head = "output.weight" if "output.weight" in blocks.meta else "token_embd.weight"  # tied: the embedding
-        fused = quantized.fused_blocks(blocks, [head], [self.head_weight], [None])
+        fused = quantized.fused_blocks(blocks, [head], [self.head_weight], [None], sample)
         if isinstance(fused, str):
             left.append(fused)
         else:

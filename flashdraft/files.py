@@ -135,6 +135,11 @@ def cached_measurement(path: Path) -> dict | None:
     return saved
 
 
+# Written last inside a prepared registry folder, holding the sha256 of the GGUF it came from and of every file of
+# the folder: a folder without it (or with another checksum) is not a prepared model.
+COMPLETE_MARKER = ".flashdraft-complete"
+
+
 def shape_key(config) -> str:
     """A model config as a cache key of what depends on its shape alone (kernels, costs): every field but the ones
     that name a folder or a model, so that a copy of a model in another folder shares its measurements."""

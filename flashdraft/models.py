@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
-from .files import cache_home, check_finite, file_sha256, readable_as_folder, write_atomic  # noqa: F401 (re-exported)
+from .files import (  # noqa: F401 (re-exported)
+    COMPLETE_MARKER,
+    cache_home,
+    check_finite,
+    file_sha256,
+    readable_as_folder,
+    write_atomic,
+)
 from .sanity import check_target_loss, text_loss
 
 if TYPE_CHECKING:
@@ -51,9 +58,6 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 DEMO_MAX_NEW_TOKENS = 128
 
-# Written last inside a converted folder, holding the sha256 of the GGUF it came from: a folder without it (or
-# with another checksum) is not a prepared model.
-COMPLETE_MARKER = ".flashdraft-complete"
 # Size and modification time of each file of a prepared folder when its checksum last matched: a file is hashed
 # again only after it changed.
 VERIFIED_CACHE = ".flashdraft-verified"

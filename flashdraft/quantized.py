@@ -318,17 +318,20 @@ def unpermute_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
-def matching_codes(codes: Codes, weight: torch.Tensor, heads: int | None) -> Codes | None:
+def matching_codes(codes: Codes, weight: torch.Tensor, heads: int | None, sample: int | None = None) -> Codes | None:
     """`codes` in the row order of `weight` (float32 [N, K], the model's own), where they dequantize to it exactly;
-    a Llama q/k projection may need its rows unpermuted (`heads` given). None where neither order matches."""
+    a Llama q/k projection may need its rows unpermuted (`heads` given). None where neither order matches. With
+    `sample`, only that many rows spread over the weight are compared (for a blocks file a checksum already covers:
+    enough to find the order and to catch a file of another model, a fraction of the time)."""
     expected = weight.detach().numpy()
     if codes.codes.shape != expected.shape:
         return None
-    orders = [None] + ([unpermute_order(expected.shape[0], heads)] if heads else [])
+    n = expected.shape[0]
+    rows = np.arange(n) if sample is None or sample >= n else np.linspace(0, n - 1, sample).astype(np.int64)
+    orders = [np.arange(n)] + ([unpermute_order(n, heads)] if heads else [])
     for order in orders:
-        candidate = codes if order is None else codes.rows(order)
-        if np.array_equal(candidate.dequantize(), expected):
-            return candidate
+        if np.array_equal(codes.rows(order[rows]).dequantize(), expected[rows]):
+            return codes if order is orders[0] else codes.rows(order)
     return None
 
 
@@ -338,10 +341,10 @@ LAYER_TENSORS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "
 
 
 def fused_blocks(blocks: GGUFBlocks, names: Sequence[str], weights: Sequence[torch.Tensor],
-                 heads: Sequence[int | None]) -> FusedBlocks | str:
-    """The GGUF tensors `names` as one fused weight, each checked against the model's own float32 `weights` (a
-    Llama q/k projection unpermuted with its `heads`); or the reason it cannot be (a missing tensor, a type with no
-    kernel, a block that does not dequantize to the model's weight)."""
+                 heads: Sequence[int | None], sample: int | None = None) -> FusedBlocks | str:
+    """The GGUF tensors `names` as one fused weight, each checked against the model's own float32 `weights` (all
+    rows, or `sample` of them: `matching_codes`; a Llama q/k projection unpermuted with its `heads`); or the reason
+    it cannot be (a missing tensor, a type with no kernel, a block that does not dequantize to the model's weight)."""
     parts = []
     for name, weight, count in zip(names, weights, heads):
         if name not in blocks.meta:
@@ -349,7 +352,7 @@ def fused_blocks(blocks: GGUFBlocks, names: Sequence[str], weights: Sequence[tor
         type_name = blocks.meta[name][0]
         if type_name not in FORMATS:
             return f"{name} is {type_name}, which has no int8 kernel"
-        codes = matching_codes(blocks.get(name), weight, count)
+        codes = matching_codes(blocks.get(name), weight, count, sample)
         if codes is None:
             raise ValueError(f"{name} in {blocks.path} does not give the model's weight back: the blocks file is "
                              f"damaged or belongs to another model; delete it (it is extracted again)")

@@ -150,3 +150,13 @@ def test_the_other_instruction_sets_give_the_same_bits(arch, tmp_path):
                          ctypes.c_void_p(x.data_ptr()), ctypes.c_long(7), ctypes.c_long(256),
                          ctypes.c_void_p(out.data_ptr()), ctypes.c_long(32), ctypes.c_int(0), ctypes.c_int(0))
         assert torch.equal(out, block_gemm(x, weight, portable=True)), type_name
+
+
+def test_a_sample_of_rows_finds_the_order_and_a_weight_of_another_model():
+    codes = decode("Q8_0", random_blocks("Q8_0", (256, 64), 5), (256, 64))
+    order = quantized.unpermute_order(256, heads=4)
+    weight = torch.from_numpy(codes.rows(order).dequantize())
+    matched = quantized.matching_codes(codes, weight, heads=4, sample=16)
+    assert matched is not None and np.array_equal(matched.dequantize(), weight.numpy())
+    other = torch.from_numpy(decode("Q8_0", random_blocks("Q8_0", (256, 64), 6), (256, 64)).dequantize())
+    assert quantized.matching_codes(codes, other, heads=4, sample=16) is None
