@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from . import native
-from .engine import THREADING_VARIABLES, interleaved_seconds
+from .engine import THREADING_VARIABLES, EngineSettings, interleaved_seconds
 from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement, shape_key
 from .sampling import SamplingParams
 from .target import TargetModel, synchronize
@@ -149,9 +149,8 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "weights": target.engine.packed_formats() if target.engine is not None else None,
             "native": native.build_identity(),  # a rebuilt native kernel (new source or compiler) prices anew
             # How threads wait changes every cost (a one-token step 2x here), and the draft's arithmetic its pass.
-            "environment": {name: os.environ.get(name) for name in (*THREADING_VARIABLES, "FLASHDRAFT_DRAFT_BF16",
-                                                                         "FLASHDRAFT_DRAFT_INT8",
-                                                                         "FLASHDRAFT_NATIVE_ATTENTION")},
+            "environment": {name: os.environ.get(name) for name in THREADING_VARIABLES},
+            "settings": EngineSettings.from_environment().key(),  # every engine setting, the draft's arithmetic too
             "dtype": str(target.dtype),
             "device": str(target.device),
             "threads": torch.get_num_threads(),

@@ -335,7 +335,7 @@ def matching_codes(codes: Codes, weight: torch.Tensor, heads: int | None, sample
     return None
 
 
-# The GGUF tensors of a decoder layer's products, in the engine's fused order (`engine._Layer`).
+# The GGUF tensors of a decoder layer's products, in the engine's fused order (`engine.weights._Layer`).
 LAYER_TENSORS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
                  "down": ("ffn_down",)}
 

@@ -25,7 +25,7 @@ choose_thread_waiting()  # as the CLI does, before torch loads
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flashdraft import engine as engine_module  # noqa: E402
+from flashdraft.engine import forward as engine_module  # noqa: E402
 from flashdraft.models import load_target  # noqa: E402
 from flashdraft.target import TargetModel  # noqa: E402
 

@@ -38,10 +38,14 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
+CORE_PACKAGES = ("engine",)  # packages that belong to the core: the CPU engine, beside the target adapter
+
+
 def layer(module: str) -> str:
-    """The subpackage a module belongs to; modules directly in flashdraft/ form the core."""
+    """The subpackage a module belongs to; modules directly in flashdraft/ and the core's packages form the core."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else "core"
+    package = parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else "core"
+    return "core" if package in CORE_PACKAGES else package
 
 
 def layer_graph() -> dict[str, set[str]]:

@@ -589,7 +589,7 @@ def test_kernels_are_measured_once_and_cover_every_shape(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("measured twice")
 
-    monkeypatch.setattr("flashdraft.engine.measure_kernels", fail)
+    monkeypatch.setattr("flashdraft.engine.kernels.measure_kernels", fail)
     assert cached_kernels(Engine(model)).table == json.loads(json.dumps(choice.table), object_hook=lambda d: {
         (int(k) if k.isdigit() else k): v for k, v in d.items()})
 
