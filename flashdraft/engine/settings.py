@@ -49,5 +49,6 @@ class EngineSettings:
 
 
 def arithmetic_setting() -> str:
-    return EngineSettings.from_environment().arithmetic
+    """FLASHDRAFT_ARITHMETIC alone (`TargetModel.engine` asks it on every access, so one lookup, not all five)."""
+    return os.environ.get("FLASHDRAFT_ARITHMETIC", "auto")
 
