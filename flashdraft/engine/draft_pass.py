@@ -23,6 +23,8 @@ from .ops import (
 from .settings import EngineSettings
 from .weights import WeightForms, _aligned, _concatenated, _layer_products, _layer_weights
 
+_KEPT_WEIGHTS = "_flashdraft_draft_weights"  # a draft's pass weights, kept on the module (a plain attribute)
+
 
 class DraftEngine:
     """A DFlash draft's inference pass (`DFlashDraftModel.forward` without gradients) on a target engine's kernels:
@@ -78,6 +80,14 @@ class DraftEngine:
         if made_from == self._made_from:
             return
         draft = self.draft
+        # Kept on the draft module for the next pass of the same draft (each `generate` makes its own): its 8-bit
+        # weights cost a tenth of a second to make.
+        key = (made_from, self.int8_dot, self.native_attention)
+        kept = getattr(draft, _KEPT_WEIGHTS, None)
+        if kept is not None and kept[0] == key:
+            for name, value in kept[1].items():
+                setattr(self, name, value)
+            return
         self.layers = [_layer_weights(layer, _concatenated, self.num_heads, self.kv_heads) for layer in draft.layers]
         self.fc = _aligned(draft.fc.weight)
         self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
@@ -94,6 +104,10 @@ class DraftEngine:
                                                     *(self.int8[id(w)] for w in _layer_products(layer)), self.num_heads,
                                                     self.kv_heads, self.head_dim) for layer in self.layers]
         self._made_from = [(p.data_ptr(), p._version) for p in self.parameters]  # after `_aligned`'s moves
+        names = ("layers", "fc", "hidden_norm", "norm", "forms", "bfloat16_weights", "int8", "native_layers",
+                 "_made_from")
+        kept_key = (self._made_from, self.int8_dot, self.native_attention)
+        object.__setattr__(draft, _KEPT_WEIGHTS, (kept_key, {name: getattr(self, name) for name in names}))
 
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         forms, product = self.forms[id(weight)], self.engine.kernels.product(kind, x.shape[0])
