@@ -131,7 +131,9 @@ def probe_step_seconds(model, start, training, features, vocabulary, train_confi
 def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     """Continue `config.init_draft` on the corpus within the budget and write OUT (the module doc)."""
     if config.init_draft is None:
-        raise ValueError("training from a corpus continues a draft: give --init-draft DRAFT")
+        raise ValueError("training from a corpus continues a draft: give --init-draft DRAFT; a target's first draft "
+                         "trains from a folder of the corpus's records: flashdraft corpus train-folder DIR --target "
+                         "TARGET, then the flashdraft train command it prints")
     if run.seconds is None and config.max_steps is None:
         raise ValueError("training from a corpus needs --seconds (a time budget) or --max-steps")
     began = time.perf_counter()

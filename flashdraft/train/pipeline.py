@@ -130,7 +130,11 @@ def check_work_folder(work: Path, settings: dict) -> None:
 
 
 def check_record_folders(config: PipelineConfig, work: Path, model, tokenizer) -> None:
-    """Refuse, before anything is written, record folders made with other label settings."""
+    """Refuse, before anything is written, record folders made with other label settings. With --label-minutes 0
+    no record is written, so records made otherwise (a corpus's: its answer length, its engine arithmetic) are
+    trained on as they are."""
+    if config.label_minutes == 0:
+        return
     from .labels import label_settings
     from .records import settings_differences
     from .regenerate import regenerate_settings
@@ -238,6 +242,9 @@ def _make_prompts(config: PipelineConfig, work: Path, settings: dict):
 
 def stage_labels(config: PipelineConfig, work: Path, model, tokenizer, prompts) -> None:
     """Target-written records for every prompt (each kind resumes on its own)."""
+    if config.label_minutes == 0:
+        _say("--label-minutes 0: training on the records as they are")
+        return
     from .labels import label_responses
     from .regenerate import regenerate
 

@@ -144,7 +144,7 @@ def test_label_minutes_zero_trains_on_the_records_so_far(target_folder, tmp_path
     regenerate_module = importlib.import_module("flashdraft.train.regenerate")  # the package exports a function too
     prompt_file(tmp_path / "prompts.jsonl")
     assert main(train_args(target_folder, tmp_path, "--label-minutes", "0")) == 2  # nothing labelled yet
-    assert "the training set is empty" in capsys.readouterr().err
+    assert "holds no training records" in capsys.readouterr().err
     # Labelling is interrupted (Ctrl-C) after its first batch of 8 prompts.
     generate_batch, batches = regenerate_module.generate_batch, []
 
@@ -158,8 +158,17 @@ def test_label_minutes_zero_trains_on_the_records_so_far(target_folder, tmp_path
     assert main(train_args(target_folder, tmp_path, "--until", "labels", "--data-batch-size", "8")) == 130
     monkeypatch.undo()
     assert main(train_args(target_folder, tmp_path, "--label-minutes", "0", "--data-batch-size", "8")) == 0
-    assert "ran out with 6 prompts left" in capsys.readouterr().err
+    assert "training on the records as they are" in capsys.readouterr().err
     assert len(list(read_records(tmp_path / "work" / "records-regenerate"))) == 8
+    # Records made with other label settings (a corpus's answer length) are trained on when nothing is labelled...
+    other = ("--label-minutes", "0", "--data-batch-size", "8", "--max-new-tokens", "12", "--run-name", "other",
+             "-o", str(tmp_path / "other-draft"))
+    assert main(train_args(target_folder, tmp_path, *other)) == 0
+    assert (tmp_path / "other-draft" / "config.json").is_file()
+    assert len(list(read_records(tmp_path / "work" / "records-regenerate"))) == 8
+    # ... and refused when the run would add records to them.
+    assert main(train_args(target_folder, tmp_path, *other[4:])) == 2
+    assert "holds records made with other settings (differences: max_new_tokens" in capsys.readouterr().err
 
 
 def run_failing(args, capsys):
