@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from functools import partial
 import torch
 
 from . import native
-from .engine import THREADING_VARIABLES, EngineSettings, interleaved_seconds
+from .engine import EngineSettings, interleaved_seconds
+from .engine.settings import threading_environment
 from .files import BUSY_CORES, cached_measurement, other_processes_cpu, save_measurement, shape_key
 from .sampling import SamplingParams
 from .target import TargetModel, synchronize
@@ -149,7 +149,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "weights": target.engine.packed_formats() if target.engine is not None else None,
             "native": native.build_identity(),  # a rebuilt native kernel (new source or compiler) prices anew
             # How threads wait changes every cost (a one-token step 2x here), and the draft's arithmetic its pass.
-            "environment": {name: os.environ.get(name) for name in THREADING_VARIABLES},
+            "environment": threading_environment(),
             "settings": EngineSettings.from_environment().key(),  # every engine setting, the draft's arithmetic too
             "dtype": str(target.dtype),
             "device": str(target.device),

@@ -10,7 +10,7 @@ So the engine
 - keeps the KV cache in preallocated tensors where rolling back a rejected block is a length (`EngineCache`);
 - computes every projection through the kernel measured fastest for its weight and number of rows on this
   machine (`KernelChoice`: torch's `F.linear`, the same product transposed, numpy's BLAS, or flashdraft's own
-  native kernel where a C compiler builds it, `native.py`), measured once and cached on disk like the verify
+  native kernel where a C compiler builds it, `flashdraft.native`), measured once and cached on disk like the verify
   costs;
 - lets the native kernel read each weight in the fewest bytes that hold its float32 values exactly
   (`WeightForms`): a target dequantized from a GGUF checkpoint is read in its Q4_1 / Q8_0 blocks (a fifth of the
@@ -35,7 +35,6 @@ from .forward import STATIC_ROPE_TYPES, SUPPORTED_MODEL_TYPES, Engine, unsupport
 from .kernels import (
     KERNEL_ROWS,
     PRODUCTS,
-    THREADING_VARIABLES,
     KernelChoice,
     KernelLinear,
     available_products,
@@ -45,7 +44,7 @@ from .kernels import (
     native_kernels,
 )
 from .ops import NATIVE_ATTENTION_QUERIES, RotaryTables, norm_rotary, rms_norm, swiglu
-from .settings import ARITHMETICS, EngineSettings, arithmetic_setting
+from .settings import ARITHMETICS, THREADING_VARIABLES, EngineSettings, arithmetic_setting
 from .weights import WeightForms
 
 __all__ = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -20,21 +19,19 @@ from torch import nn
 from .. import native
 from ..files import (
     BUSY_CORES,
-    WAITING_VARIABLES,
     cache_home,
     cached_measurement,
     other_processes_cpu,
     save_measurement,
     shape_key,
 )
-from .settings import EngineSettings
+from .settings import EngineSettings, threading_environment
 from .weights import WeightForms, _aligned
 
 KERNEL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # rows (tokens x sequences) measured; above: torch's own
 # numpy's BLAS threads busy-wait between calls and stall badly when another process holds a core (seen here: a
 # forward 20x slower); one thread, inside the engine only, never oversubscribes.
 _ONE_BLAS_THREAD = ThreadpoolController().select(internal_api="openblas")
-THREADING_VARIABLES = (*WAITING_VARIABLES, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 ProductFn = Callable[[torch.Tensor, torch.Tensor, WeightForms], torch.Tensor]
 
@@ -58,7 +55,7 @@ def _numpy_transposed(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms)
 
 
 def _native(x: torch.Tensor, weight: torch.Tensor, forms: WeightForms, parallel: bool = False) -> torch.Tensor:
-    # flashdraft's own kernel: reads each weight once, so 2 to 4 rows cost what one does (csrc/small_gemm.c), and
+    # flashdraft's own kernel: reads each weight once, so 2 to 4 rows cost what one does (csrc/f32_products.c), and
     # reads the packed form where there is one: the same result in a fraction of the bytes.
     if forms.packed is not None:
         return native.packed_gemm(x, forms.packed, parallel)
@@ -241,7 +238,7 @@ def cached_kernels(engine, progress: bool = True) -> KernelChoice:
             "model": shape_key(engine.config),
             "threads": torch.get_num_threads(),
             # Whether torch's threads spin between operators decides which kernels win (see measure_kernels).
-            "environment": {name: os.environ.get(name) for name in THREADING_VARIABLES},
+            "environment": threading_environment(),
             "settings": EngineSettings.from_environment().key(),
             "torch": torch.__version__,
             "numpy": np.__version__,

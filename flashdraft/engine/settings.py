@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..files import WAITING_VARIABLES
+
 # How the target's products are computed (FLASHDRAFT_ARITHMETIC, `flashdraft generate --arithmetic`): float32, the
 # same as transformers' forward; int8, the GGUF checkpoint's own blocks against activations rounded to 8-bit codes
 # per 32 values (`quantized`, `csrc/block_gemm.c`), what llama.cpp computes; auto, int8 where the target has GGUF
@@ -16,9 +18,12 @@ ARITHMETICS = ("auto", "float32", "int8")
 CHECKED_ROWS = 64  # rows of each weight compared with its blocks where a checksum covers the blocks file
 
 
-# The environment variables the engine reads, each "1" (on) unless set to "0" (off); FLASHDRAFT_ARITHMETIC names.
+# The environment variables the engine reads, each "1" (on) unless set to "0" (off); FLASHDRAFT_ARITHMETIC and CC
+# name a choice.
 VARIABLES = ("FLASHDRAFT_ARITHMETIC", "FLASHDRAFT_PACKED", "FLASHDRAFT_NATIVE_ATTENTION", "FLASHDRAFT_DRAFT_BF16",
-             "FLASHDRAFT_DRAFT_INT8")
+             "FLASHDRAFT_DRAFT_INT8", "FLASHDRAFT_NATIVE", "CC")
+# How torch's threads wait and how many there are: not the engine's to set, but part of its cache keys.
+THREADING_VARIABLES = (*WAITING_VARIABLES, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -26,13 +31,17 @@ class EngineSettings:
     """arithmetic: ARITHMETICS' choice (FLASHDRAFT_ARITHMETIC); packed: a float32 weight read in its exactly packed
     form (FLASHDRAFT_PACKED); native_attention: attention on the native kernel where it fits
     (FLASHDRAFT_NATIVE_ATTENTION); draft_bf16 / draft_int8: a shipped draft's products in bfloat16 / 8-bit
-    arithmetic (FLASHDRAFT_DRAFT_BF16 / FLASHDRAFT_DRAFT_INT8)."""
+    arithmetic (FLASHDRAFT_DRAFT_BF16 / FLASHDRAFT_DRAFT_INT8); native: the native C kernels built and offered
+    (FLASHDRAFT_NATIVE); compiler: the C compiler that builds them (CC). The last two are not in `key()`: the
+    native library's build identity (`flashdraft.native.build_identity()`, None when off) is in every key already."""
 
     arithmetic: str = "auto"
     packed: bool = True
     native_attention: bool = True
     draft_bf16: bool = True
     draft_int8: bool = True
+    native: bool = True
+    compiler: str = "cc"
 
     @classmethod
     def from_environment(cls) -> EngineSettings:
@@ -40,7 +49,8 @@ class EngineSettings:
             return os.environ.get(name, "1") != "0"
 
         return cls(os.environ.get("FLASHDRAFT_ARITHMETIC", "auto"), on("FLASHDRAFT_PACKED"),
-                   on("FLASHDRAFT_NATIVE_ATTENTION"), on("FLASHDRAFT_DRAFT_BF16"), on("FLASHDRAFT_DRAFT_INT8"))
+                   on("FLASHDRAFT_NATIVE_ATTENTION"), on("FLASHDRAFT_DRAFT_BF16"), on("FLASHDRAFT_DRAFT_INT8"),
+                   on("FLASHDRAFT_NATIVE"), os.environ.get("CC") or "cc")
 
     def key(self) -> dict:
         """The settings as part of a cache key."""
@@ -49,6 +59,10 @@ class EngineSettings:
 
 
 def arithmetic_setting() -> str:
-    """FLASHDRAFT_ARITHMETIC alone (`TargetModel.engine` asks it on every access, so one lookup, not all five)."""
+    """FLASHDRAFT_ARITHMETIC alone (`TargetModel.engine` asks it on every access, so one lookup, not all of them)."""
     return os.environ.get("FLASHDRAFT_ARITHMETIC", "auto")
 
+
+def threading_environment() -> dict[str, str | None]:
+    """THREADING_VARIABLES as the environment has them now, for a cache key (kernels, costs)."""
+    return {name: os.environ.get(name) for name in THREADING_VARIABLES}
