@@ -38,7 +38,8 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-CORE_PACKAGES = ("engine",)  # packages that belong to the core: the CPU engine, beside the target adapter
+CORE_PACKAGES = ("engine", "native")  # packages that belong to the core: the CPU engine and its C kernels, beside the
+# target adapter
 
 
 def layer(module: str) -> str:

@@ -5,6 +5,7 @@ portable version's bits, for each row whatever the other rows and the threads.""
 from __future__ import annotations
 
 import ctypes
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -133,10 +134,10 @@ def test_the_other_instruction_sets_give_the_same_bits(arch, tmp_path):
     """The kernel built for other CPUs (AVX2 without AVX-512, none at all) where this CPU can run that build."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if compiler is None or (arch == "x86-64-v3" and " avx2 " not in flags) or "x86_64" not in native.platform.machine():
+    if compiler is None or (arch == "x86-64-v3" and " avx2 " not in flags) or "x86_64" not in platform.machine():
         pytest.skip("needs a C compiler on an x86-64 CPU (with AVX2 for the AVX2 build)")
     library = tmp_path / "block_gemm.so"
-    source = Path(native.__file__).parent / "csrc" / "block_gemm.c"
+    source = native.CSRC / "block_gemm.c"
     subprocess.run([compiler, "-O3", f"-march={arch}", "-std=gnu11", "-shared", "-fPIC", "-o", str(library),
                     str(source)], check=True, capture_output=True)
     other = ctypes.CDLL(str(library))

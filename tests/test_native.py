@@ -1,4 +1,4 @@
-"""flashdraft's native matrix product (flashdraft/native.py, csrc/small_gemm.c): exact, row-independent, and
+"""flashdraft's native matrix product (flashdraft/native/, csrc/f32_products.c): exact, row-independent, and
 absent cleanly where it cannot be built."""
 
 import pytest
@@ -8,6 +8,7 @@ from torch import nn
 
 from flashdraft import native, quantized
 from flashdraft.engine import Engine, KernelChoice, KernelLinear, available_products
+from flashdraft.native import build
 
 requires_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
 
@@ -92,12 +93,26 @@ def test_bad_inputs_are_refused_with_the_reason():
 def test_the_library_is_built_once_per_machine_and_reused(rebuilt, tmp_path):
     rebuilt.setenv("FLASHDRAFT_HOME", str(tmp_path))
     assert native.available()
-    built = list((tmp_path / "native").glob("small_gemm-*.so"))
-    assert len(built) == 1 and built[0].name == f"small_gemm-{native.build_identity()}.so"
+    built = list((tmp_path / "native").glob("kernels-*.so"))
+    assert len(built) == 1 and built[0].name == f"kernels-{native.build_identity()}.so"
     stamp = built[0].stat().st_mtime_ns
     native._build.cache_clear()
     assert native.available() and built[0].stat().st_mtime_ns == stamp
     assert list((tmp_path / "native").iterdir()) == built  # no scratch left behind
+
+
+def test_every_kernel_file_is_compiled_and_a_change_to_any_builds_anew(monkeypatch, tmp_path):
+    assert set(native.SOURCES) == set(native.CSRC.glob("*.c")) and len(native.SOURCES) >= 5
+    assert set(native.HEADERS) == set(native.CSRC.glob("*.h"))
+    first = build._identity("cc", "1")
+    for changed in (*native.SOURCES, *native.HEADERS):
+        copy = tmp_path / changed.name
+        copy.write_text(changed.read_text() + "\n/* changed */\n")
+        monkeypatch.setattr(build, "SOURCES", tuple(copy if p == changed else p for p in native.SOURCES))
+        monkeypatch.setattr(build, "HEADERS", tuple(copy if p == changed else p for p in native.HEADERS))
+        assert build._identity("cc", "1") != first, changed.name
+    monkeypatch.undo()
+    assert build._identity("cc", "1") == first
 
 
 def test_turned_off_or_without_a_compiler_it_is_not_offered(rebuilt, tmp_path):

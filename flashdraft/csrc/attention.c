@@ -1,0 +1,150 @@
+/* Attention for the few queries of a decoding step over a KV cache (`causal_attention`): causal over the step,
+ * grouped-query, by an online softmax in float32 lanes; or non-causal over a DFlash draft's block. */
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+#include "vectors.h"
+
+#define MAX_HEAD_VECTORS 8 /* head_dim 64 or 128: vectors of 16 floats, a constant in each compiled copy */
+#define TILE_QUERIES 4      /* queries that share each key and value read */
+
+/* Lane t of the result = the sum of the lanes of d[t], for 16 vectors at once: a tree of shuffles and adds (15 of
+ * each, against ~6 per vector one at a time). The tree leaves the sums in bit-reversed lane order, so the caller
+ * stores the vector for key t in d[REVERSED[t]]. */
+static const int REVERSED[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+#define SUMS_OF_16(NAME, TYPE)                                                                                    \
+    static inline TYPE NAME(const TYPE *d) {                                                                      \
+        TYPE e[8], f[4], g[2];                                                                                    \
+        for (int k = 0; k < 8; k++)                                                                               \
+            e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, \
+                                           22, 23) +                                                              \
+                   __builtin_shufflevector(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,   \
+                                           28, 29, 30, 31);                                                       \
+        for (int k = 0; k < 4; k++)                                                                               \
+            f[k] = __builtin_shufflevector(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24,   \
+                                           25, 26, 27) +                                                          \
+                   __builtin_shufflevector(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, \
+                                           29, 30, 31);                                                           \
+        for (int k = 0; k < 2; k++)                                                                               \
+            g[k] = __builtin_shufflevector(f[2 * k], f[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,   \
+                                           13, 28, 29) +                                                          \
+                   __builtin_shufflevector(f[2 * k], f[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, \
+                                           15, 30, 31);                                                           \
+        return __builtin_shufflevector(g[0], g[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +   \
+               __builtin_shufflevector(g[0], g[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);    \
+    }
+SUMS_OF_16(sums_of_16, vec)
+
+static const vec LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* Up to TILE_QUERIES query heads that read the same key/value head, against its cached keys and values
+ * ([position, head_dim] rows): query r sees keys 0..limit[r]-1. softmax(q k^T * scale) v by the online softmax over
+ * chunks of LANES keys (the running maximum rescales what was summed before), so no score buffer grows with the
+ * context; each key and value row is read once for all the tile's queries. */
+static inline __attribute__((always_inline)) void attend_tile(const int MQ, const int VECTORS, const float *const *q,
+                                                              const float *k, const float *v, float *const *out,
+                                                              const long *limit, float scale) {
+    const long vectors = VECTORS, head_dim = VECTORS * LANES;
+    vec query[TILE_QUERIES][MAX_HEAD_VECTORS], acc[TILE_QUERIES][MAX_HEAD_VECTORS];
+    float running_max[TILE_QUERIES], total[TILE_QUERIES];
+    long keys = 0;
+    for (int r = 0; r < MQ; r++) {
+        for (long d = 0; d < vectors; d++) {
+            query[r][d] = load(q[r] + d * LANES) * scale;
+            acc[r][d] = (vec){0};
+        }
+        running_max[r] = -__builtin_inff();
+        total[r] = 0.0f;
+        keys = limit[r] > keys ? limit[r] : keys;
+    }
+    for (long first = 0; first < keys; first += LANES) {
+        const long count = keys - first < LANES ? keys - first : LANES;
+        vec dots[TILE_QUERIES][LANES];
+        for (long t = 0; t < LANES; t++) {
+            const float *key = k + (first + (t < count ? t : 0)) * head_dim;
+            for (int r = 0; r < MQ; r++) dots[r][REVERSED[t]] = query[r][0] * load(key);
+            for (long d = 1; d < vectors; d++) {
+                const vec kd = load(key + d * LANES);
+                for (int r = 0; r < MQ; r++) dots[r][REVERSED[t]] += query[r][d] * kd;
+            }
+        }
+        vec weights[TILE_QUERIES];
+        for (int r = 0; r < MQ; r++) {
+            vec scores = sums_of_16(dots[r]);
+            if (limit[r] - first < LANES) /* keys of this chunk that query r does not see */
+                scores = select_lanes(LANE_INDEX >= (float)(limit[r] - first), (vec){0} - __builtin_inff(), scores);
+            const float chunk_max = lane_max(scores);
+            if (chunk_max > running_max[r]) {
+                const float rescale = exp_lanes((vec){0} + (running_max[r] - chunk_max))[0];
+                for (long d = 0; d < vectors; d++) acc[r][d] *= rescale;
+                total[r] *= rescale;
+                running_max[r] = chunk_max;
+            }
+            weights[r] = exp_lanes(scores - running_max[r]); /* 0 where the score is -inf */
+            total[r] += lane_sum(weights[r]);
+        }
+        for (long t = 0; t < count; t++) {
+            const float *value = v + (first + t) * head_dim;
+            for (long d = 0; d < vectors; d++) {
+                const vec vd = load(value + d * LANES);
+                for (int r = 0; r < MQ; r++) acc[r][d] += weights[r][t] * vd;
+            }
+        }
+    }
+    for (int r = 0; r < MQ; r++)
+        for (long d = 0; d < vectors; d++) store(out[r] + d * LANES, acc[r][d] / total[r]);
+}
+
+/* Causal attention for the few queries of a decoding step over a cache laid out [batch, kv_heads, capacity,
+ * head_dim]: query i of each row sits at position start + i and sees keys 0..start+i (a block sees the cache and
+ * itself up to its own position), or with `causal` 0 every key up to start+n-1 (a DFlash draft's block, which sees
+ * all of itself); query head h reads key/value head h / (heads / kv_heads). Queries [batch * n,
+ * heads, head_dim] with `query_stride` floats between rows; out [batch * n, heads * head_dim]. `first_key`
+ * [batch] (or NULL: all 0): the first key each row sees, after its left padding. The work goes in
+ * tiles of up to TILE_QUERIES (query, head) pairs of one key/value head, shared among threads when `parallel`.
+ * head_dim must be 64 or 128. */
+void causal_attention(const float *q, const float *k, const float *v, float *out, long batch, long n, long heads,
+                      long kv_heads, long head_dim, long query_stride, long capacity, long start, const long *first_key,
+                      float scale, int causal, int parallel) {
+    const long group = heads / kv_heads, per_head = n * group; /* the queries of one key/value head */
+    const long tiles_per_head = (per_head + TILE_QUERIES - 1) / TILE_QUERIES;
+    const long tiles = batch * kv_heads * tiles_per_head;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (long tile = 0; tile < tiles; tile++) {
+        const long b = tile / (kv_heads * tiles_per_head), kv = tile / tiles_per_head % kv_heads;
+        const long first = tile % tiles_per_head * TILE_QUERIES;
+        const int count = per_head - first < TILE_QUERIES ? per_head - first : TILE_QUERIES;
+        const float *queries[TILE_QUERIES];
+        float *outs[TILE_QUERIES];
+        long limits[TILE_QUERIES];
+        for (int r = 0; r < count; r++) { /* the tile's r-th query: query position i, head h */
+            const long i = (first + r) / group, h = kv * group + (first + r) % group, row = b * n + i;
+            queries[r] = q + row * query_stride + h * head_dim;
+            outs[r] = out + (row * heads + h) * head_dim;
+            limits[r] = causal ? start + i + 1 : start + n;
+        }
+        /* A left-padded row's keys begin at its first token: the padding is never read, and the row's sums run
+         * in the same chunks as the row's alone would. */
+        const long begin = first_key != NULL ? first_key[b] : 0;
+        for (int r = 0; r < count; r++) limits[r] -= begin;
+        const float *keys = k + ((b * kv_heads + kv) * capacity + begin) * head_dim;
+        const float *values = v + ((b * kv_heads + kv) * capacity + begin) * head_dim;
+        const int shape = count * 10 + (int)(head_dim / LANES); /* one compiled copy per (queries, head_dim) */
+        switch (shape) {
+        case 44: attend_tile(4, 4, queries, keys, values, outs, limits, scale); break;
+        case 34: attend_tile(3, 4, queries, keys, values, outs, limits, scale); break;
+        case 24: attend_tile(2, 4, queries, keys, values, outs, limits, scale); break;
+        case 14: attend_tile(1, 4, queries, keys, values, outs, limits, scale); break;
+        case 48: attend_tile(4, 8, queries, keys, values, outs, limits, scale); break;
+        case 38: attend_tile(3, 8, queries, keys, values, outs, limits, scale); break;
+        case 28: attend_tile(2, 8, queries, keys, values, outs, limits, scale); break;
+        case 18: attend_tile(1, 8, queries, keys, values, outs, limits, scale); break;
+        }
+    }
+}
