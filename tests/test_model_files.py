@@ -101,13 +101,13 @@ def fake_prepared(home, monkeypatch):
 
 
 def test_a_prepared_folder_is_verified_and_hashed_again_only_after_a_change(tmp_path, monkeypatch):
-    import flashdraft.models as models
+    import flashdraft.preparation as preparation
 
     folder = fake_prepared(tmp_path, monkeypatch)
     assert prepare(NAME) == folder  # a folder prepared before the GGUF's blocks were kept gets them, once
     hashed = []
-    real = models.file_sha256
-    monkeypatch.setattr(models, "file_sha256", lambda path: hashed.append(path.name) or real(path))
+    real = preparation.file_sha256
+    monkeypatch.setattr(preparation, "file_sha256", lambda path: hashed.append(path.name) or real(path))
     assert prepare(NAME) == folder
     assert prepare(NAME) == folder
     assert hashed == []  # unchanged since the last match: stat only

@@ -25,7 +25,7 @@ from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from flashdraft import cli, models
+from flashdraft import cli, models, preparation
 from flashdraft.models import (
     COMPLETE_MARKER,
     DEFAULT_TARGET,
@@ -257,7 +257,7 @@ def test_prepare_converts_to_a_folder_that_reproduces_the_gguf_model(tiny, fake_
 
 def test_a_prepared_model_is_not_converted_again(tiny, monkeypatch):
     folder = prepare(TINY)
-    monkeypatch.setattr(models, "convert_gguf", lambda *args: pytest.fail("converted a prepared model again"))
+    monkeypatch.setattr(preparation, "convert_gguf", lambda *args: pytest.fail("converted a prepared model again"))
     assert prepare(TINY) == folder
     model, _ = load_target(TINY)
     assert model.config.num_hidden_layers == 2
@@ -322,12 +322,12 @@ def test_interrupted_conversion_leaves_no_folder_and_a_retry_succeeds(tiny, monk
         convert(gguf_path, output_folder, entry)  # every file written, only the completion marker missing
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "convert_gguf", convert_then_interrupt)
+    monkeypatch.setattr(preparation, "convert_gguf", convert_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(TINY)
     assert leftovers() == [] and prepared_folder(TINY) is None
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(preparation, "convert_gguf", convert)
     assert prepare(TINY) == models_dir() / TINY
 
 
@@ -352,7 +352,7 @@ def test_concurrent_prepares_convert_once(tiny, monkeypatch):
         time.sleep(0.5)  # keep the lock held while the other preparer arrives
         convert(*args)
 
-    monkeypatch.setattr(models, "convert_gguf", slow_convert)
+    monkeypatch.setattr(preparation, "convert_gguf", slow_convert)
     results = []
     threads = [threading.Thread(target=lambda: results.append(prepare(TINY))) for _ in range(2)]
     for thread in threads:
@@ -590,7 +590,7 @@ def test_default_target_folder_matches_its_gguf(smollm2_folder):
 @pytest.mark.slow
 def test_default_target_by_name_loads_from_the_cache(smollm2_folder, monkeypatch):
     monkeypatch.setenv("FLASHDRAFT_HOME", str(smollm2_folder.parents[1]))
-    monkeypatch.setattr(models, "convert_gguf", lambda *args: pytest.fail("converted a prepared model again"))
+    monkeypatch.setattr(preparation, "convert_gguf", lambda *args: pytest.fail("converted a prepared model again"))
     model, tokenizer = load_target(DEFAULT_TARGET)
     assert model.name_or_path == str(smollm2_folder)
     assert tokenizer.eos_token == "<|im_end|>"

@@ -92,7 +92,7 @@ void small_gemm_parallel(const float *x, const float *w, float *y, long M, long 
     remainder_rows(x, w, y, M, N, K);
 }
 
-/* Packed weights: the same float32 values in fewer bytes, for weights that hold them exactly (native/packing.py's `pack`
+/* Packed weights: the same float32 values in fewer bytes, for weights that hold them exactly (`native.pack`
  * checks every element). A weight loaded from a quantized checkpoint (GGUF's Q4_1 and Q8_0, dequantized to float32)
  * or a bfloat16 one is a fraction of its float32 bytes, and a product of a few rows is bound by those bytes. Each
  * vector of weights is unpacked into float32 in registers where `tile` would load it, and multiplied in the same
