@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server over flashdraft's speculative decoding (`flashdraft serve`).
 
 `schemas` holds the request and response models, `worker` the loaded models (`Engine`) and the thread that
-decodes requests, `app` the FastAPI routes. Incremental detokenisation and stop strings are in `flashdraft.text`.
+decodes requests, `app` the FastAPI routes and the server, with `bodies` (request bodies read and limited),
+`errors` (OpenAI's error schema) and `responses` (response bodies, event streams). Incremental detokenisation and
+stop strings are in `flashdraft.text`.
 """
 
 __all__ = ["Engine", "create_app"]
