@@ -19,17 +19,16 @@ Every `eval_every` steps the draft's tau on a few held-out prompts is measured b
 rounds on the target's answers (`flashdraft.evaluation.replay`, answers and features computed once) and the best draft
 so far (by mean tau) is kept; the output folder receives it in the DFlash checkpoint format with a model card.
 
-Around it: `config.py` (the settings), `checkpoints.py` (the files), `drafts.py` (the draft a run starts from and
-the folder it writes).
+Around it: `config.py` (the settings), `evaluate.py` (the evaluation and the best draft kept, part of `Trainer`),
+`resume.py` (checkpoints and resume, part of `Trainer`), `checkpoints.py` (the files), `drafts.py` (the draft a run
+starts from and the folder it writes).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -41,41 +40,31 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from ..draft import DFlashDraftModel
-from ..evaluation.replay import ReplayText, cached_greedy_answers, replay, replay_text
-from ..proposals import DFlashProposer, check_compatible
-from ..rules import tau
+from ..evaluation.replay import ReplayText
+from ..proposals import check_compatible
 from ..target import TargetModel
 from .blocks import BlockBatch, TrainingSequence, check_training_block_size, make_blocks, sample_anchors
 from .checkpoints import (
     CHECKPOINT_DIR,
-    CHECKPOINT_FORMAT,
-    DamagedCheckpoint,
-    checkpoint_step,
-    checksum_path,
-    python_rng_state,
     read_checkpoint,
-    set_python_rng_state,
-    write_checkpoint,
 )
 from .config import TrainConfig
-from .distributed import Distributed, all_reduce_sum, barrier, broadcast_object
+from .distributed import Distributed, all_reduce_sum
 from .drafts import (
     TrainSummary,
     ensure_writable,
     init_from_target,
-    save_draft_atomic,
     save_trained_draft,
     seed_everything,
     start_from_draft,
 )
+from .evaluate import BEST_DIR, Evaluation
 from .features import FeatureSource
 from .loss import DraftVocabulary, acceptance_weights, block_loss, block_targets, default_gamma, position_weights
+from .resume import Resumable
 
-BEST_DIR = "best"
 METRICS_FILE = "metrics.jsonl"
 RUNNING_STEPS = 20  # steps the running per-position accuracy averages over (exponentially)
-EVAL_BATCH = 8  # evaluation prompts per batch of target answers
-HELDOUT_SEED = -1  # the anchors of held-out sequences are drawn once, the same at every evaluation
 
 # Re-exported: the trainer's callers find the pieces of a run here.
 __all__ = ["BEST_DIR", "CHECKPOINT_DIR", "METRICS_FILE", "TrainConfig", "TrainSummary", "Trainer", "ensure_writable",
@@ -90,15 +79,11 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _shown(value) -> str:
-    return json.dumps(value) if isinstance(value, dict | list) else str(value)
-
-
 class NonFiniteStep(Exception):
     """An optimizer step whose loss or gradient norm is not finite (it was not applied)."""
 
 
-class Trainer:
+class Trainer(Evaluation, Resumable):
     """Trains `draft` for `target` on `sequences`; see the module doc."""
 
     def __init__(
@@ -424,191 +409,9 @@ class Trainer:
         with (self.run_dir / METRICS_FILE).open("a") as handle:
             handle.write(json.dumps(entry) + "\n")
 
-    # ------------------------------------------------------------------ evaluation
-
-    def eval_texts(self) -> dict[str, list[ReplayText]]:
-        """The target's greedy answers to the evaluation prompts, with its features over them: computed once, since
-        the target is frozen, so every evaluation costs draft forwards only (the answers are cached across runs in
-        $FLASHDRAFT_HOME/answers, like `flashdraft bench --replay`'s)."""
-        if self._eval_texts is None:
-            self._eval_texts = {}
-            with self._autocast():
-                for name, prompts in self.eval_prompts.items():
-                    answers = cached_greedy_answers(self.target, prompts, self.config.eval_max_new_tokens,
-                                                    self.stop_token_ids, EVAL_BATCH, progress=False)
-                    self._eval_texts[name] = [replay_text(self.target, self.draft.target_layer_ids, prompt, answer)
-                                              for prompt, answer in zip(prompts, answers)]
-        return self._eval_texts
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Tau of greedy speculative decoding at the draft's block size on each set of evaluation prompts (pooled
-        over the rounds of all prompts), replayed on the target's answers (`flashdraft.evaluation.replay`: the rounds
-        of real decoding without its verification forwards), and the teacher-forced loss and per-position accuracy
-        on the held-out sequences."""
-        self.draft.eval()
-        result: dict = {"step": self.step, "tau": {}}
-        proposer = DFlashProposer(self.draft, self.target)
-        for name, texts in self.eval_texts().items():
-            rounds = []
-            for text in texts:
-                with self._autocast():
-                    rounds += replay(proposer, text, self.draft.block_size)
-            result["tau"][name] = tau(rounds)
-        if self.heldout:
-            loss = weight = 0.0
-            positions = self.draft.block_size - 1
-            correct, counted = torch.zeros(positions, dtype=torch.long), torch.zeros(positions, dtype=torch.long)
-            for start in range(0, len(self.heldout), self.config.batch_size):
-                sequences = self.heldout[start : start + self.config.batch_size]
-                batch = self._blocks(sequences, HELDOUT_SEED)
-                targets = block_targets(batch, self.position_weights, self.vocabulary, self.config.distill_weight)
-                output = self._forward(self.draft, sequences, batch, targets)
-                loss += output.loss.item()
-                weight += targets.weight_sum
-                correct += output.correct
-                counted += output.counted
-            result["heldout_loss"] = loss / weight if weight > 0 else 0.0
-            result["heldout_accuracy"] = (correct / counted.clamp_min(1)).tolist()
-        self.draft.train()
-        return result
-
-    def _score(self, evaluation: dict) -> tuple[float, float] | None:
-        """Higher is better: mean tau over the prompt sets, else minus the held-out loss; equal taus (the same
-        round count) are told apart by the held-out loss."""
-        loss = evaluation.get("heldout_loss")
-        if evaluation["tau"]:
-            return sum(evaluation["tau"].values()) / len(evaluation["tau"]), -loss if loss is not None else 0.0
-        if loss is not None:
-            return -loss, 0.0
-        return None
-
-    def _evaluate_and_keep(self) -> None:
-        """Evaluate on the main process and keep the draft when it is the best so far; the others wait."""
-        if self.dist.is_main:
-            evaluation = self.evaluate()
-            score = self._score(evaluation)
-            self.evaluations.append(evaluation)
-            self._append_metrics({"eval": evaluation})
-            keep = score is not None and all(map(math.isfinite, score))  # a NaN would win against nothing, then stay
-            if keep and (self.best is None or score > self._score(self.best)):
-                self.best = evaluation
-                save_draft_atomic(self.draft, self.run_dir / BEST_DIR)
-            if self.progress:
-                taus = ", ".join(f"{k} {v:.2f}" for k, v in evaluation["tau"].items())
-                loss = evaluation.get("heldout_loss", 0.0)
-                tqdm.write(f"step {self.step}: tau {taus or '-'}; held-out loss {loss:.3f}")
-        self.evaluations, self.best = broadcast_object((self.evaluations, self.best))
-        barrier()
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _save_checkpoint(self, session_seconds: float) -> None:
-        """Write the full training state atomically with its checksum file, keep the newest `keep_checkpoints`."""
-        if self.dist.is_main:
-            state = {
-                "format": CHECKPOINT_FORMAT,
-                "draft": self.draft.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "step": self.step,
-                "elapsed": self.elapsed + session_seconds,
-                "rng": {"python": python_rng_state(), "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                "evaluations": self.evaluations,
-                "best": self.best,
-                "fingerprint": self._fingerprint(),
-                "running_accuracy": self.running_accuracy,
-            }
-            write_checkpoint(state, self.run_dir / CHECKPOINT_DIR, self.step, self.config.keep_checkpoints)
-        barrier()
-
-    def _newest_intact(self) -> tuple[dict | None, list[tuple[Path, str]]]:
-        """The state of the newest checkpoint that reads back intact (None when the run has none), and the newer
-        damaged ones with what is wrong with them. A run whose checkpoints are all damaged is refused."""
-        damaged = []
-        for path in sorted((self.run_dir / CHECKPOINT_DIR).glob("step-*.pt"), reverse=True):
-            try:
-                return read_checkpoint(path), damaged
-            except DamagedCheckpoint as error:
-                damaged.append((path, str(error)))
-        if damaged:
-            listed = "; ".join(f"{path.name}: {reason}" for path, reason in damaged)
-            raise ValueError(
-                f"{self.run_dir} has no intact checkpoint to resume from ({listed}): delete "
-                f"{self.run_dir / CHECKPOINT_DIR} to train this run from the start, or choose another run folder"
-            )
-        return None, []
-
-    def _restore(self) -> int | None:
-        """Load the newest intact checkpoint (every process reads the same file) and set aside the damaged ones
-        after it, so they are neither read again nor counted among the kept checkpoints. Returns its step, None
-        when the run has no checkpoint."""
-        state, damaged = self._newest_intact()
-        if state is None:
-            return None
-        fingerprint, stored = self._fingerprint(), state["fingerprint"]
-        # A key absent from the checkpoint was not recorded by the flashdraft version that wrote it: not a difference.
-        changed = sorted(k for k in fingerprint if stored.get(k, fingerprint[k]) != fingerprint[k])
-        if changed:
-            shown = [f"{key} {_shown(stored[key])} there, {_shown(fingerprint[key])} now" for key in changed
-                     if key not in ("sequences", "draft_vocab_ids")]  # lists of thousands: named only
-            raise ValueError(
-                f"{self.run_dir} holds a run with other settings (differences: {', '.join(changed)})"
-                + (f": {'; '.join(shown)}" if shown else "")
-                + ". Train this one in another run folder, or resume that run with its own data and settings"
-            )
-        self.draft.load_state_dict(state["draft"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        self.elapsed = state["elapsed"]
-        self.evaluations = state["evaluations"]
-        self.best = state["best"]
-        self.running_accuracy = state.get("running_accuracy")  # absent in checkpoints of earlier versions
-        set_python_rng_state(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        barrier()  # every process has read before the main one moves files
-        for path, reason in damaged:
-            aside = path.with_name(path.name + ".damaged")
-            self._warn(f"checkpoint step {checkpoint_step(path)} is damaged ({path}: {reason}): resuming from step "
-                       f"{self.step}; the damaged file is kept as {aside.name}")
-            if self.dist.is_main:
-                os.replace(path, aside)
-                checksum_path(path).unlink(missing_ok=True)
-        return self.step
-
-    def _resume(self) -> None:
-        """Continue from the newest intact checkpoint of the run folder, if any."""
-        if self._restore() is not None and self.progress:
-            tqdm.write(f"resuming {self.run_dir} from step {self.step} of {self.total_steps}")
-
-    def _go_back(self, failure: str) -> None:
-        """After a non-finite step: back to the newest intact checkpoint, and on from there. A passing fault does
-        not come back; a step that fails a second time (the data or the settings make it diverge) stops the run."""
-        failed = self.step + 1
-        fix = ("lower the learning rate or the gradient clipping norm, train with a float32 target, or check the "
-               "training data and features")
-        if self._restore() is None:
-            raise ValueError(f"{failure}, and the run has no checkpoint to go back to: {fix}")
-        if failed in self.retried:
-            raise ValueError(f"{failure} again after resuming from checkpoint step {self.step}: {fix} (the run folder "
-                             f"keeps checkpoint step {self.step})")
-        self.retried.add(failed)
-        self._warn(f"{failure}; resumed from checkpoint step {self.step}")
-
-    def _warn(self, message: str) -> None:
-        """What the user must know whether or not progress is shown (once, from the main process)."""
-        if self.dist.is_main:
-            tqdm.write(message, file=sys.stderr)
-
     def kept_draft(self) -> DFlashDraftModel:
         """The draft to ship: the best evaluated one when evaluations were made, else the current weights."""
         best = self.run_dir / BEST_DIR
         if self.best is not None and best.is_dir():
             return DFlashDraftModel.from_pretrained(best).to(self.dist.device)
         return self.draft
-
-

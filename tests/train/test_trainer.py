@@ -17,6 +17,7 @@ from flashdraft import DFlashDraftModel
 from flashdraft.draft import check_draft_folder
 from flashdraft.evaluation.replay import greedy_answers
 from flashdraft.files import file_sha256
+from flashdraft.train import evaluate as evaluate_module
 from flashdraft.train import features as features_module
 from flashdraft.train import trainer as trainer_module
 from flashdraft.train.blocks import TrainingSequence
@@ -558,7 +559,7 @@ def _record_precisions(monkeypatch):
     """The autocast precision each teacher-forced pass computes its loss under (None: off), and whether autocast was
     on in each replay of the evaluation."""
     seen = {"loss_autocast": set(), "replay_autocast": set()}
-    block_loss, replay = trainer_module.block_loss, trainer_module.replay
+    block_loss, replay = trainer_module.block_loss, evaluate_module.replay
 
     def recording_loss(hidden, *args, **kwargs):
         on = torch.is_autocast_enabled("cpu")
@@ -570,7 +571,7 @@ def _record_precisions(monkeypatch):
         return replay(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "block_loss", recording_loss)
-    monkeypatch.setattr(trainer_module, "replay", recording_replay)
+    monkeypatch.setattr(evaluate_module, "replay", recording_replay)
     return seen
 
 
