@@ -33,6 +33,7 @@ ENGINES = ("auto", "flashdraft", "transformers")
 _ENGINE_CHOICE = "_flashdraft_engine_choice"
 _ARITHMETIC_CHOICE = "_flashdraft_arithmetic_choice"
 _ENGINE = "_flashdraft_engine"  # the model's engine, built by `TargetModel.engine`
+_KEPT_HEAD_ROWS = "_flashdraft_head_rows"  # (key, the head's rows of the last drafting vocabulary): `head_rows`
 Cache = DynamicCache | EngineCache
 RowKV = tuple[torch.Tensor, torch.Tensor] | DynamicCache  # one row's K/V, from `RowCache.copy_row`
 
@@ -278,11 +279,21 @@ class TargetModel:
         head = self.lm_head
         if token_ids is None:
             return head
-        rows = nn.Linear(head.in_features, len(token_ids), bias=head.bias is not None)
+        # Kept on the model for the next generate with the same draft: made again, the rows and their packed form
+        # (`DraftEngine`) cost a tenth of a second a call.
+        key = (head.weight.data_ptr(), head.weight._version, token_ids.data_ptr(), token_ids._version,
+               len(token_ids), self.engine)
+        kept = getattr(self.model, _KEPT_HEAD_ROWS, None)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        rows = nn.utils.skip_init(nn.Linear, head.in_features, len(token_ids), bias=head.bias is not None,
+                                  device=head.weight.device)
         rows.weight = nn.Parameter(head.weight[token_ids].detach(), requires_grad=False)
         if head.bias is not None:
             rows.bias = nn.Parameter(head.bias[token_ids].detach(), requires_grad=False)
-        return self.accelerate(rows.to(head.weight.device))
+        rows = self.accelerate(rows)
+        object.__setattr__(self.model, _KEPT_HEAD_ROWS, (key, rows))
+        return rows
 
     def accelerate(self, module: nn.Module) -> nn.Module:
         """A draft (or a head) whose inference products run on this target's engine kernels

@@ -666,3 +666,27 @@ def test_a_target_from_a_gguf_checkpoint_runs_on_packed_weights_with_the_same_re
 
 def both_of(model) -> tuple[TargetModel, TargetModel]:
     return TargetModel(model, engine="flashdraft"), TargetModel(model, engine="transformers")
+
+
+def test_a_drafts_head_rows_and_their_packed_form_are_kept_for_the_next_generate():
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)
+    target = TargetModel(model, engine="flashdraft")
+    ids = torch.arange(0, 96, 2)
+    head = target.head_rows(ids)
+    assert TargetModel(model, engine="flashdraft").head_rows(ids) is head  # another wrapper of the same model
+    torch.testing.assert_close(head.weight, model.get_output_embeddings().weight[ids])
+    assert target.head_rows(torch.arange(0, 96, 3)).weight.shape[0] == 32  # another vocabulary: its own rows
+    head = target.head_rows(ids)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(2)  # changed in place: made again from the new weights
+    doubled = target.head_rows(ids)
+    assert doubled is not head
+    torch.testing.assert_close(doubled.weight, model.get_output_embeddings().weight[ids])
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()
+    first, second = (DraftEngine.for_draft(draft, target.engine) for _ in range(2))
+    noise, features, positions = draft_inputs(draft, 6, 4, 6, seed=3)
+    first.logits(first(noise, features, positions)[0], doubled)
+    packed = first._packed_head(doubled)
+    assert (packed is not None) == native.available()
+    second(noise, features, positions)
+    assert second._packed_head(doubled) is packed  # a new pass of the same draft reuses the head's packed form

@@ -24,6 +24,7 @@ from .settings import EngineSettings
 from .weights import WeightForms, _aligned, _concatenated, _layer_products, _layer_weights
 
 _KEPT_WEIGHTS = "_flashdraft_draft_weights"  # a draft's pass weights, kept on the module (a plain attribute)
+_KEPT_HEAD = "_flashdraft_packed_head"  # a head's weight in the draft's arithmetic, kept on the head module
 
 
 class DraftEngine:
@@ -57,7 +58,6 @@ class DraftEngine:
         # arithmetic runs on (`quantized.block_gemm`: AVX-512 VNNI, AVX2 or plain C). FLASHDRAFT_DRAFT_INT8=0:
         # bfloat16 arithmetic.
         self.int8_dot = native.available() and settings.draft_int8
-        self._head: tuple | None = None  # (made from, packed head) for `logits`
         self._whole: tuple | None = None  # (made from, native.DraftWeights) for `block`
         self.use_native_layers = True  # False: the layer step by step, for comparisons
         self.use_whole_pass = True  # False: `block` declines (the layers native, the rest in torch), for comparisons
@@ -127,9 +127,11 @@ class DraftEngine:
                 or weight.dtype != torch.float32 or weight.shape[1] % native.BLOCK):
             return None
         made_from = (weight.data_ptr(), weight._version, int8)
-        if self._head is None or self._head[0] != made_from:
-            self._head = made_from, (quantized.q8_blocks if int8 else native.pack_bfloat16)(weight.detach())
-        return self._head[1]
+        kept = getattr(head, _KEPT_HEAD, None)  # on the head: the target keeps it for the next generate
+        if kept is None or kept[0] != made_from:
+            kept = made_from, (quantized.q8_blocks if int8 else native.pack_bfloat16)(weight.detach())
+            object.__setattr__(head, _KEPT_HEAD, kept)
+        return kept[1]
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
@@ -161,7 +163,7 @@ class DraftEngine:
         head_weight = self._packed_head(head)
         if head_weight is None or head_weight.format != "blocks":
             return None
-        made_from = (self._made_from, self._head[0], embedding.weight.data_ptr(), embedding.weight._version)
+        made_from = (self._made_from, getattr(head, _KEPT_HEAD)[0], embedding.weight.data_ptr(), embedding.weight._version)
         if self._whole is None or self._whole[0] != made_from:
             self._whole = made_from, native.pack_draft(self.native_layers, self.int8[id(self.fc)], self.hidden_norm,
                                                        self.norm, head_weight, embedding.weight.detach())
