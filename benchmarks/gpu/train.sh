@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Draft training on the lent GPU machine (see benchmarks/gpu/README.md, "Training there"). The target's weights
-# reach the machine in parts (scripts/target_pack.py), one or two a call, because a call carries at most 64 MiB:
+# reach the machine in parts (benchmarks/gpu/target_pack.py), one or two a call, because a call carries at most 64 MiB:
 #   bash benchmarks/gpu/train.sh stash OUT         # keep the parts this call carried outside the repository
 #   bash benchmarks/gpu/train.sh train OUT SECONDS # stash, unpack, train for SECONDS, return the drafts in OUT
 # The drafts come back as OUT/drafts.tar.* (15 MB pieces: a returned file is at most 16 MiB); here:
@@ -20,7 +20,7 @@ ls -l "$store"
 [ "$what" = stash ] && exit 0
 seconds="${3:?train needs SECONDS}"
 export PYTHONPATH="$HOME/flashdraft-site:$PWD" PYTHONUNBUFFERED=1
-python3 scripts/target_pack.py unpack "$store" "$HOME/flashdraft-target" 2>&1 | tee "$out/train.log"
+python3 benchmarks/gpu/target_pack.py unpack "$store" "$HOME/flashdraft-target" 2>&1 | tee "$out/train.log"
 rm -rf "$HOME/fd-out"  # a run of another length cannot resume this one's checkpoints
 # The inner limit leaves the call time to pack what was written, also when training overruns.
 # The shipped drafts' recipe (docs/training.md): flashdraft train --corpus with the options below.

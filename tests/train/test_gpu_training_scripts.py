@@ -1,5 +1,5 @@
-"""The script that brings a target to a lent GPU machine, run here on tiny models: `target_pack.py` (the target in
-small compressed parts, exact for training). Training there is `flashdraft train --corpus`
+"""The script that brings a target to a lent GPU machine, run here on tiny models: `benchmarks/gpu/target_pack.py`
+(the target in small compressed parts, exact for training). Training there is `flashdraft train --corpus`
 (tests/train/test_from_corpus.py)."""
 
 import importlib.util
@@ -17,7 +17,7 @@ from train.tiny_training import MASK, next_token, one_thread  # noqa: F401
 
 from tiny import tiny_tokenizer
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 CORPUS_TOKENS = range(5, 60)  # the tiny corpus uses these tokens only
 
 

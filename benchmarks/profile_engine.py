@@ -1,6 +1,6 @@
 """Where flashdraft's CPU engine spends a forward: its matrix products, kernel by kernel, against everything else.
 
-    python scripts/profile_engine.py --sizes 1 4 8 16 --repeats 10
+    python benchmarks/profile_engine.py --sizes 1 4 8 16 --repeats 10
 
 The engine's products run in native code that `torch.profiler` does not see (`flashdraft/native.py`), so this
 times each product call directly (wrapping the engine's kernels) during forwards of n new tokens after 128 cached

@@ -1,10 +1,10 @@
 """Pack a target model folder into a few small compressed parts, and unpack it again: how the target's weights
 reach a machine that can only be sent small files (the lent GPU machine takes 64 MiB a call) for training there.
 
-    python scripts/target_pack.py pack OUT --target smollm2-135m-instruct --feature-layers 1,8,14,20,27 \\
+    python benchmarks/gpu/target_pack.py pack OUT --target smollm2-135m-instruct --feature-layers 1,8,14,20,27 \\
         --keep-tokens corpus/smollm2-135m-instruct --keep-tokens-of flashdraft/drafts/smollm2-135m-instruct \\
         --part-mb 29.3,43,43,43
-    python scripts/target_pack.py unpack OUT TARGET_FOLDER   # on the other machine: a loadable model folder
+    python benchmarks/gpu/target_pack.py unpack OUT TARGET_FOLDER   # on the other machine: a loadable model folder
 
 The weights travel in bfloat16 (what a GPU trains with), each tensor split into its high and low bytes (the high
 bytes, sign and exponent, compress to a third) and lzma-compressed as one stream with the config and tokenizer

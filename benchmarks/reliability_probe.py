@@ -7,7 +7,7 @@ shipped draft, probed as a hostile client would.
 2. SIGTERM with a full batch and a queue (`--running` + `--queued` chat requests of max_tokens 3000 at temperature
    0.8, half of them streams): what each client got, the seconds from the signal to the exit, the exit status.
 
-    python scripts/reliability_probe.py --requests 3000
+    python benchmarks/reliability_probe.py --requests 3000
 
 Prints one JSON object. RSS is read from /proc (Linux).
 """

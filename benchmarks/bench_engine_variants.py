@@ -1,11 +1,11 @@
 """One engine operator in two forms, inside whole forwards of the default target: T(n) after a cached context, the
 two forms in alternating turns (40 each), least and median.
 
-    python scripts/bench_engine_variants.py rms-norm      # the native RMSNorm against torch's F.rms_norm
-    python scripts/bench_engine_variants.py attention --contexts 200 1000 --tokens 1 4 8 16
+    python benchmarks/bench_engine_variants.py rms-norm      # the native RMSNorm against torch's F.rms_norm
+    python benchmarks/bench_engine_variants.py attention --contexts 200 1000 --tokens 1 4 8 16
                                                           # native attention against torch's fused kernel
-    python scripts/bench_engine_variants.py rotary        # native norm + rotary against torch's operators
-    python scripts/bench_engine_variants.py layers        # each layer one native call against its operators
+    python benchmarks/bench_engine_variants.py rotary        # native norm + rotary against torch's operators
+    python benchmarks/bench_engine_variants.py layers        # each layer one native call against its operators
 
 The operator variants run each layer operator by operator (`Engine.use_native_layers` off), where they apply.
 

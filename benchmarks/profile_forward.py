@@ -1,13 +1,13 @@
 """Where a target forward and a draft pass spend their time on this CPU (issue: a faster exact engine on CPU).
 
-    python scripts/profile_forward.py --target smollm2-135m-instruct --sizes 1 4 16 --threads 2
+    python benchmarks/profile_forward.py --target smollm2-135m-instruct --sizes 1 4 16 --threads 2
 
 For each forward size n: the target runs n new tokens after a cached context (as a verification does), under
 `torch.profiler`; the time is split by the module the operator ran in (the output head, the attention and MLP
 projections, the attention kernel, norms and rotary, the rest) and the top operators by self time are listed.
 The shipped draft's pass at its block size is profiled the same way. "Outside operators" is the wall time not
 covered by any profiled operator: Python and framework overhead. Prints Markdown. The target runs transformers'
-forward (its modules are what the regions label); `scripts/bench_engine.py` times flashdraft's engine against it.
+forward (its modules are what the regions label); `benchmarks/bench_engine.py` times flashdraft's engine against it.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 new context position after 200 cached, the whole block drafted) then a T(1) after as many cached tokens, so that each
 finds its weights evicted by the other as in decoding. Reports the least and the median of each and their ratio.
 
-    python scripts/bench_draft_pass.py --turns 40
-    FLASHDRAFT_DRAFT_INT8=0 python scripts/bench_draft_pass.py     # the pass in bfloat16 arithmetic, not 8-bit
-    FLASHDRAFT_DRAFT_INT8=0 FLASHDRAFT_DRAFT_BF16=0 python scripts/bench_draft_pass.py     # in float32
-    OMP_WAIT_POLICY=PASSIVE python scripts/bench_draft_pass.py     # threads that sleep at once
-    python scripts/bench_draft_pass.py --warm                      # also passes back to back (weights in cache)
-    python scripts/bench_draft_pass.py --step-by-step              # an 8-bit draft's layers operator by operator
-    python scripts/bench_draft_pass.py --layers-only               # its layers native, the rest of the pass in torch
+    python benchmarks/bench_draft_pass.py --turns 40
+    FLASHDRAFT_DRAFT_INT8=0 python benchmarks/bench_draft_pass.py     # the pass in bfloat16 arithmetic, not 8-bit
+    FLASHDRAFT_DRAFT_INT8=0 FLASHDRAFT_DRAFT_BF16=0 python benchmarks/bench_draft_pass.py     # in float32
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_draft_pass.py     # threads that sleep at once
+    python benchmarks/bench_draft_pass.py --warm                      # also passes back to back (weights in cache)
+    python benchmarks/bench_draft_pass.py --step-by-step              # an 8-bit draft's layers operator by operator
+    python benchmarks/bench_draft_pass.py --layers-only               # its layers native, the rest of the pass in torch
 
 Like the CLI, it chooses how torch's threads wait before torch loads (`choose_thread_waiting`) and prints the
 choice. Pause background work first: it times.

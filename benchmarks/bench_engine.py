@@ -1,7 +1,7 @@
-"""The CPU engine (flashdraft/engine.py) against transformers' forward on this machine: issue 16's four figures,
+"""The CPU engine (flashdraft/engine/) against transformers' forward on this machine: issue 16's four figures,
 each measured interleaved in one run.
 
-    python scripts/bench_engine.py --threads 2 --prompts 6 --max-new-tokens 96
+    python benchmarks/bench_engine.py --threads 2 --prompts 6 --max-new-tokens 96
 
 1. Plain decoding: `flashdraft.generate(block_size=1)` (library defaults, so the engine) against a separately loaded
    transformers model's own `generate` (greedy, its defaults), prompt by prompt in turns: tokens per second, and
