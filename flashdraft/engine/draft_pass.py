@@ -163,7 +163,8 @@ class DraftEngine:
         head_weight = self._packed_head(head)
         if head_weight is None or head_weight.format != "blocks":
             return None
-        made_from = (self._made_from, getattr(head, _KEPT_HEAD)[0], embedding.weight.data_ptr(), embedding.weight._version)
+        made_from = (self._made_from, getattr(head, _KEPT_HEAD)[0], embedding.weight.data_ptr(),
+                     embedding.weight._version)
         if self._whole is None or self._whole[0] != made_from:
             self._whole = made_from, native.pack_draft(self.native_layers, self.int8[id(self.fc)], self.hidden_norm,
                                                        self.norm, head_weight, embedding.weight.detach())
