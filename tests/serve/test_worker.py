@@ -272,12 +272,13 @@ def test_max_batch_size_is_checked(engine):
 
 def test_departed_clients_free_their_rows_and_the_memory_stays_flat(engine):
     """Three rounds of streams whose clients leave after their first text: every row is freed (in the batch, its
-    prefill and the draft's cache) and the caches hold no more memory after the third round than after the first."""
+    prefill and the draft's cache) and the caches never hold more than the batch's rows at the longest request's
+    length: what they reach depends on how the rounds interleave with the clients, a leak would grow past it."""
 
-    def allocated(batch):
+    def allocated(batch):  # (rows, positions) each engine cache holds room for, and the per-row caches left
         caches = (batch.cache.engine_cache, batch.prefill_cache.engine_cache)
-        return [cache.keys.numel() if cache is not None and cache.keys is not None else 0 for cache in caches] + [
-            len(batch.cache.caches), len(batch.prefill_cache.caches)]
+        return [tuple(cache.keys.shape[i] for i in (1, 3)) if cache is not None and cache.keys is not None
+                else (0, 0) for cache in caches] + [len(batch.cache.caches), len(batch.prefill_cache.caches)]
 
     async def main():
         worker = Worker(engine, max_queue=8, max_batch_size=4)
@@ -307,7 +308,10 @@ def test_departed_clients_free_their_rows_and_the_memory_stays_flat(engine):
             worker.stop()
 
     sizes, cancelled = asyncio.run(main())
-    assert sizes[0] == sizes[1] == sizes[2] and cancelled == 18
+    assert cancelled == 18
+    for decoding, prefill, rows, prefill_rows in sizes:  # 4 rows; 3 prompt + 400 tokens fit 512 positions
+        assert decoding[0] <= 4 and prefill[0] <= 4 and decoding[1] <= 512 and prefill[1] <= 512
+        assert rows == prefill_rows == 0
 
 
 def test_a_failure_outside_the_forwards_fails_the_jobs_not_the_batched_worker(engine, monkeypatch):
