@@ -168,8 +168,29 @@ def model_card(draft: DFlashDraftModel, summary: TrainSummary, card: Mapping) ->
             )
     else:
         lines.append("Not evaluated.")
+    lines += learning_curve(summary)
     lines += ["", "## Reproduce", "", "```", card.get("command", ""), "```", ""]
     return "\n".join(lines)
+
+
+def learning_curve(summary: TrainSummary) -> list[str]:
+    """The model card's table of every evaluation: steps, the training sequences they saw, tau on each prompt set
+    and the held-out loss, so that the next draft's data and steps can be planned from it."""
+    if not summary.evaluations:
+        return []
+    sets = list(dict.fromkeys(name for evaluation in summary.evaluations for name in evaluation["tau"]))
+    per_step = summary.epochs * summary.train_sequences / summary.steps if summary.steps else 0.0
+    lines = ["", "## Learning curve", "",
+             f"Training on {summary.train_sequences} sequences; one step is {per_step:.1f} of them.", "",
+             "| step | sequences seen | " + " | ".join(f"tau {name}" for name in sets) + " | held-out loss |",
+             "|---:|---:|" + "---:|" * len(sets) + "---:|"]
+    for evaluation in summary.evaluations:
+        taus = [evaluation["tau"].get(name) for name in sets]
+        loss = evaluation.get("heldout_loss")
+        lines.append(f"| {evaluation['step']} | {round(evaluation['step'] * per_step)} | "
+                     + " | ".join("-" if t is None else f"{t:.2f}" for t in taus)
+                     + f" | {'-' if loss is None else f'{loss:.3f}'} |")
+    return lines
 
 
 SHIPPED_WITH = ("README.md", "training.json")  # what a shipped draft carries beside its weights

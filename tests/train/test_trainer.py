@@ -383,6 +383,13 @@ def test_evaluates_by_speculative_decoding_keeps_the_best_and_writes_the_output(
     for text in ("tiny-llama", "flashdraft train --target tiny", f"pattern: tau {max(taus):.2f}", "steps: 6",
                  "40 most frequent"):
         assert text in readme, text
+    # The learning curve: every evaluation, its step, the sequences seen (2 a step) and its figures.
+    losses = [e["heldout_loss"] for e in summary.evaluations]
+    rows = [f"| {step} | {2 * step} | {tau:.2f} | {loss:.3f} |" for step, tau, loss in zip((2, 4, 6), taus, losses)]
+    curve = readme.split("## Learning curve")[1].split("## Reproduce")[0]
+    assert "Training on 12 sequences; one step is 2.0 of them." in curve
+    assert "| step | sequences seen | tau pattern | held-out loss |" in curve
+    assert [line for line in curve.splitlines() if line.startswith("| ") and line[2].isdigit()] == rows
     assert json.loads((output / "training.json").read_text())["summary"]["steps"] == 6
 
 
