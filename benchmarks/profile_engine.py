@@ -2,7 +2,7 @@
 
     python benchmarks/profile_engine.py --sizes 1 4 8 16 --repeats 10
 
-The engine's products run in native code that `torch.profiler` does not see (`flashdraft/native.py`), so this
+The engine's products run in native code that `torch.profiler` does not see (`flashdraft/native/`), so this
 times each product call directly (wrapping the engine's kernels) during forwards of n new tokens after 128 cached
 ones, as a verification runs, and reports the median forward, the products' share by weight, and the rest
 (attention, norms, rotary, copies, Python). Chooses how torch's threads wait like the CLI. Prints Markdown.
