@@ -145,3 +145,23 @@ def test_a_shipped_draft_is_bfloat16_on_disk_and_float32_when_loaded(draft_folde
         assert torch.equal(b, expected), name
     with pytest.raises(ValueError, match="is the source folder"):
         ship_draft(shipped, shipped)
+
+
+def test_the_ship_command_records_the_acceptance_check_on_the_written_folder(tmp_path, capsys):
+    target = tiny_target("qwen3")
+    (tmp_path / "target").mkdir()
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    source = tmp_path / "trained"
+    tiny_draft(target, num_layers=2, block_size=4).save_pretrained(source)
+    # Without training.json naming the target, and no --target: refused before anything is written.
+    assert main(["draft", "ship", str(source), str(tmp_path / "unnamed")]) == 2
+    assert "give --target" in capsys.readouterr().err and not (tmp_path / "unnamed").exists()
+    (source / "training.json").write_text(json.dumps({"target": str(tmp_path / "target")}) + "\n")
+    assert main(["draft", "ship", str(source), str(tmp_path / "shipped")]) == 0
+    check = json.loads((tmp_path / "shipped" / "acceptance-check.json").read_text())
+    assert f"acceptance check on {tmp_path / 'target'}: tau {check['tau']:.2f}" in capsys.readouterr().out
+    assert 1.0 <= check["tau"] <= 4.0 and check["block_size"] == 4 and check["max_new_tokens"] == 48
+    assert main(["draft", "ship", str(source), str(tmp_path / "unchecked"), "--no-check"]) == 0
+    assert (tmp_path / "unchecked" / "model.safetensors").is_file()
+    assert not (tmp_path / "unchecked" / "acceptance-check.json").exists()

@@ -42,9 +42,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     ship = actions.add_parser("ship", help="write a draft as shipped: bfloat16 weights, model card, training.json",
                               description="Write a trained draft folder as the shipped draft: weights in bfloat16 "
-                              "(loaded into float32 on a CPU), README.md and training.json copied as they are.")
+                              "(loaded into float32 on a CPU), README.md and training.json copied as they are, and "
+                              "the acceptance check measured on the written folder (acceptance-check.json).")
     ship.add_argument("source", type=Path, help="trained draft folder (flashdraft train's --output)")
     ship.add_argument("destination", type=Path, help="folder to write, e.g. flashdraft/drafts/TARGET")
+    ship.add_argument("--target", default=None,
+                      help="registry name or model folder the acceptance check runs on (default: the target its "
+                      "training.json names)")
+    ship.add_argument("--no-check", action="store_true",
+                      help="do not record the acceptance check (acceptance-check.json: the tau later runs warn "
+                      "against when the draft accepts far less)")
     ship.set_defaults(func=_ship)
 
     inspect = actions.add_parser("inspect", help="show what a draft folder holds and how it was trained",
@@ -111,10 +118,32 @@ def _average(args: argparse.Namespace) -> int:
 def _ship(args: argparse.Namespace) -> int:
     from flashdraft.train.drafts import ship_draft
 
+    target = None
+    if not args.no_check:  # before anything is written: a ship that cannot be checked fails first
+        target = args.target or _trained_for(args.source)
     folder = ship_draft(args.source, args.destination)
     size = sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
     print(f"shipped {args.source} to {folder} in bfloat16: {size / 1e6:.1f} MB")
+    if target is not None:
+        from flashdraft.evaluation.check import CHECK_FILE, record_check
+        from flashdraft.models import load_draft, load_target
+
+        model, tokenizer = load_target(target)
+        tau = record_check(folder, model, tokenizer, load_draft(str(folder)))
+        print(f"acceptance check on {target}: tau {tau:.2f} -> {folder / CHECK_FILE}")
     return 0
+
+
+def _trained_for(source: Path) -> str:
+    """The target a draft folder's training.json names; fails with the fix when it names none."""
+    try:
+        target = json.loads((Path(source) / "training.json").read_text()).get("target")
+    except (OSError, ValueError):
+        target = None
+    if not target:
+        raise ValueError(f"{source} has no training.json naming its target: give --target (the registry name or "
+                         "model folder of the draft's target) or --no-check")
+    return target
 
 
 def _inspect(args: argparse.Namespace) -> int:
