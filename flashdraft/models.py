@@ -42,9 +42,11 @@ from .preparation import (  # noqa: F401 (re-exported)
     _transformers_bars_off,
     convert_gguf,
     installed_file,
+    known_finite,
     locate_files,
     prepare,
     prepared_folder,
+    remember_finite,
     verify_prepared,
 )
 from .registry import (  # noqa: F401 (re-exported)
@@ -225,7 +227,10 @@ def load_target(
     model = _from_pretrained(AutoModelForCausalLM, source, "target", extra_help=registry_help, dtype=dtype)
     remedy = (f"delete the folder and run `flashdraft models prepare {name_or_path}` again" if name_or_path in REGISTRY
               else "restore the target's folder")
-    check_finite(model, f"target {source}", remedy)
+    if name_or_path not in REGISTRY or not known_finite(Path(source)):  # a registry folder's is checked once
+        check_finite(model, f"target {source}", remedy)
+        if name_or_path in REGISTRY:
+            remember_finite(Path(source))
     tokenizer = _from_pretrained(AutoTokenizer, source, "target", extra_help=registry_help)
     model = model.to(device).eval()
     if name_or_path not in REGISTRY and Path(source).expanduser().is_dir():  # the registry's have checksums

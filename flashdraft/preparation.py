@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 # Size and modification time of each file of a prepared folder when its checksum last matched: a file is hashed
 # again only after it changed.
 VERIFIED_CACHE = ".flashdraft-verified"
+FINITE_KEY = "finite"  # in the marker: the digest of the checksums whose weights were found finite
 
 
 def prepared_folder(name: str) -> Path | None:
@@ -68,8 +69,11 @@ def _add_blocks(folder: Path, name: str, entry: RegisteredModel) -> None:
             partial.unlink(missing_ok=True)
         marker_path = folder / COMPLETE_MARKER
         marker = json.loads(marker_path.read_text())
-        marker.setdefault("files", {})[BLOCKS_FILE] = {"sha256": file_sha256(folder / BLOCKS_FILE),
-                                                      "size": (folder / BLOCKS_FILE).stat().st_size}
+        if "files" in marker:
+            marker["files"][BLOCKS_FILE] = {"sha256": file_sha256(folder / BLOCKS_FILE),
+                                            "size": (folder / BLOCKS_FILE).stat().st_size}
+        else:  # a folder from before checksums: every file's, or the others would never be verified
+            marker["files"] = _record_checksums(folder)
         write_atomic(marker_path, json.dumps(marker) + "\n")
 
 
@@ -125,6 +129,24 @@ def verify_prepared(folder: Path, name: str) -> None:
         write_atomic(cache_path, json.dumps(verified) + "\n")
 
 
+def known_finite(folder: Path) -> bool:
+    """Whether the weights of a prepared folder were found free of NaN and infinity since its checksums were
+    recorded: `verify_prepared` holds every file to those checksums, so a check passed once holds for every load."""
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())
+    return "files" in marker and marker.get(FINITE_KEY) == _digest_of(marker["files"])
+
+
+def remember_finite(folder: Path) -> None:
+    """Record in the folder's marker that its weights, as its checksums name them, were found finite."""
+    marker_path = folder / COMPLETE_MARKER
+    marker = json.loads(marker_path.read_text())
+    if "files" in marker:
+        marker[FINITE_KEY] = _digest_of(marker["files"])
+        write_atomic(marker_path, json.dumps(marker) + "\n")
+
+
+def _digest_of(files: dict) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def installed_file(requirement: str, path: str) -> Path | None:

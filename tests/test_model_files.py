@@ -165,3 +165,25 @@ def test_the_ship_command_records_the_acceptance_check_on_the_written_folder(tmp
     assert main(["draft", "ship", str(source), str(tmp_path / "unchecked"), "--no-check"]) == 0
     assert (tmp_path / "unchecked" / "model.safetensors").is_file()
     assert not (tmp_path / "unchecked" / "acceptance-check.json").exists()
+
+
+def test_a_prepared_targets_weights_are_checked_finite_once_and_a_later_nan_fails_its_checksum(tmp_path, monkeypatch):
+    import flashdraft.models as models
+    from safetensors.torch import load_file, save_file
+
+    folder = fake_prepared(tmp_path, monkeypatch)
+    tiny_tokenizer().save_pretrained(folder)
+    verify_prepared(folder, NAME)  # the tokenizer's files join the checksums
+    (folder / COMPLETE_MARKER).write_text(json.dumps({k: v for k, v in json.loads(
+        (folder / COMPLETE_MARKER).read_text()).items() if k != "files"}))
+    checked = []
+    real = models.check_finite
+    monkeypatch.setattr(models, "check_finite", lambda *args: checked.append(1) or real(*args))
+    load_target(NAME, engine="transformers")
+    load_target(NAME, engine="transformers")
+    assert checked == [1]  # the second load trusts the first check: the same checksums
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.safetensors does not match the checksum recorded"):
+        load_target(NAME, engine="transformers")
