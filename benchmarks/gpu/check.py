@@ -156,7 +156,9 @@ SMOKE_PLAN = Plan(
     shapes=(Shape("tiny-llama", tiny_llama, 2, torch.float32), Shape("tiny-qwen3", tiny_qwen3, 5, torch.float32)),
     greedy_cases=6, bf16_cases=3, sampling_samples=300, prompt_tokens=16, new_tokens=24, repeats=1,
     curve_max=8, train_length=64, train_batch=2, train_steps=2,
-    allowance={"greedy-float32": 30, "greedy-bfloat16": 15, "sampling": 30, "speed": 40, "training": 20},
+    # Far above what the smoke's cases take (seconds), so that a machine busy with other work still runs them all:
+    # its tests require every correctness case.
+    allowance={"greedy-float32": 150, "greedy-bfloat16": 60, "sampling": 90, "speed": 40, "training": 20},
 )
 
 
