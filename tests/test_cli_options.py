@@ -79,3 +79,17 @@ def test_the_command_line_chooses_before_torch_loads():
                              timeout=120)
     assert process.returncode == 0, process.stderr
     assert process.stdout.splitlines()[0].startswith("torch loaded: False chose: {'"), process.stdout
+
+
+def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
+    import subprocess
+    import sys
+
+    # `flashdraft models list | head -0`: the reader has left before the first line.
+    read, write = os.pipe()
+    os.close(read)
+    process = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", "models", "list"], stdout=write,
+                               stderr=subprocess.PIPE)
+    os.close(write)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141 and b"Traceback" not in err, err.decode()
