@@ -45,9 +45,26 @@ def test_the_shipped_draft_goes_with_its_target_or_a_copy_of_it():
     # a folder holding a copy of the default target: found by its shape
     assert shipped_draft("/some/copy", default_shape) == models._SHIPPED_DRAFTS / DEFAULT_TARGET
     qwen = REGISTRY["qwen2.5-coder-0.5b-instruct"]
-    if not (models._SHIPPED_DRAFTS / qwen.name).is_dir():
-        assert shipped_draft(qwen.name, shape(qwen.hidden_size, qwen.num_layers, qwen.vocab_size)) is None
+    qwen_shape = shape(qwen.hidden_size, qwen.num_layers, qwen.vocab_size)
+    assert shipped_draft(qwen.name, qwen_shape) == models._SHIPPED_DRAFTS / qwen.name
+    assert shipped_draft("/a/qwen/copy", qwen_shape) == models._SHIPPED_DRAFTS / qwen.name
+    larger = REGISTRY["qwen2.5-coder-1.5b-instruct"]  # no draft yet
+    assert shipped_draft(larger.name, shape(larger.hidden_size, larger.num_layers, larger.vocab_size)) is None
     assert shipped_draft("/some/other", shape(576, 29, 49152)) is None  # one layer fewer: another model
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent for p in models._SHIPPED_DRAFTS.glob("*/config.json")),
+                         ids=lambda folder: folder.name)
+def test_every_shipped_draft_is_named_for_its_registry_target_and_carries_its_card_and_check(folder):
+    entry = REGISTRY[folder.name]
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["hidden_size"], config["num_target_layers"], config["vocab_size"]) == (
+        entry.hidden_size, entry.num_layers, entry.vocab_size)
+    card = json.loads((folder / "training.json").read_text())
+    assert card["target"] == folder.name and "command" in card and card["summary"]["steps"] > 0
+    assert "## Reproduce" in (folder / "README.md").read_text()
+    check = json.loads((folder / "acceptance-check.json").read_text())
+    assert check["block_size"] == config["block_size"] and check["tau"] > 1.5
 
 
 def test_generate_falls_back_to_the_lookup_and_says_so(target_folder, capsys):
