@@ -168,8 +168,9 @@ def test_the_ship_command_records_the_acceptance_check_on_the_written_folder(tmp
 
 
 def test_a_prepared_targets_weights_are_checked_finite_once_and_a_later_nan_fails_its_checksum(tmp_path, monkeypatch):
-    import flashdraft.models as models
     from safetensors.torch import load_file, save_file
+
+    import flashdraft.models as models
 
     folder = fake_prepared(tmp_path, monkeypatch)
     tiny_tokenizer().save_pretrained(folder)
