@@ -4,7 +4,8 @@ for registry targets) against float32 (transformers' own results).
     python benchmarks/bench_arithmetic.py --target smollm2-135m-instruct --threads 1 --prompts 8
     python benchmarks/bench_arithmetic.py --target qwen2.5-coder-0.5b-instruct --threads 2 --prompts 4
 
-1. Forward costs after a 128-token context, interleaved: T(n) for n = 1, 2, 4, 8, 16 and T(n) / T(1), each way.
+1. Forward costs after a 128-token context, interleaved: T(n) for n = 1, 2, 4, 8, 16 and T(n) / T(1), each way
+   (and int8 without its AMX tile products, where the kernel uses them).
 2. The draft pass of the target's shipped draft (where it has one) against T(1), each way.
 3. Plain greedy decoding (`flashdraft.generate(block_size=1)`) of HumanEval and MT-Bench prompts, prompt by prompt
    in turns: tokens per second each way, and how many answers are identical token for token.
@@ -35,6 +36,7 @@ from flashdraft.text import encode_chat  # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16)
 ARITHMETICS = ("int8", "float32")
+VECTOR_ONLY = "int8, vector panels only"  # timed too where the int8 kernel uses AMX tiles (the same bits)
 
 
 def forward_seconds(targets: dict[str, TargetModel], repeats: int) -> dict[tuple[str, int], float]:
@@ -47,11 +49,15 @@ def forward_seconds(targets: dict[str, TargetModel], repeats: int) -> dict[tuple
         cache = engine.new_cache()
         engine.forward(context[:, :128], positions[:, :128], cache, logits_to_keep=1)
 
-        def step(n, engine=engine, cache=cache):
+        def step(n, engine=engine, cache=cache, tiles=True):
+            flashdraft.quantized.use_tiles(tiles)
             engine.forward(context[:, 128 : 128 + n], positions[:, 128 : 128 + n], cache)
             cache.crop(128)
+            flashdraft.quantized.use_tiles(True)
 
         works.update({(name, n): (lambda n=n, step=step: step(n)) for n in SIZES})
+        if name == "int8" and "+amx" in flashdraft.quantized.kernel_version():  # the same int8 steps without tiles
+            works.update({(VECTOR_ONLY, n): (lambda n=n, step=step: step(n, tiles=False)) for n in SIZES})
     return interleaved_seconds(works, repeats)
 
 
@@ -93,7 +99,7 @@ def main() -> None:
     seconds = forward_seconds(targets, args.repeats)
     print("| arithmetic | " + " | ".join(f"T({n})" for n in SIZES) + " | T(8)/T(1) | T(16)/T(1) |")
     print("|---|" + "---:|" * (len(SIZES) + 2))
-    for name in ARITHMETICS:
+    for name in [name for name in (*ARITHMETICS, VECTOR_ONLY) if (name, 1) in seconds]:
         t = {n: seconds[(name, n)] for n in SIZES}
         print(f"| {name} | " + " | ".join(f"{t[n] * 1e3:.1f} ms" for n in SIZES)
               + f" | {t[8] / t[1]:.2f} | {t[16] / t[1]:.2f} |")

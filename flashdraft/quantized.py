@@ -248,10 +248,19 @@ def block_gemm(x: torch.Tensor, weight: FusedBlocks, parallel: bool = False, por
 
 
 def kernel_version() -> str:
-    """Which version of the int8 kernel this machine runs: avx512-vnni, avx2 or portable."""
+    """Which version of the int8 kernel this machine runs: avx512-vnni (+amx where the tile products run), avx2 or
+    portable."""
     from . import native
 
     return native.library().block_gemm_version().decode()
+
+
+def use_tiles(allowed: bool) -> bool:
+    """Let the int8 kernel use AMX tile products for 2 rows or more (the default where the CPU and the operating
+    system allow them), or not; returns whether it now does. The bits are the same either way."""
+    from . import native
+
+    return bool(native.library().block_gemm_use_tiles(int(allowed)))
 
 
 # ---- the GGUF side: extracting the blocks at preparation, reading them back for the engine ----

@@ -98,6 +98,36 @@ def test_every_row_gets_the_portable_versions_bits_alone_together_and_on_threads
         assert torch.equal(block_gemm(x[rows], weight), portable[rows])
 
 
+@pytest.fixture
+def tiles_restored():
+    yield
+    quantized.use_tiles(True)
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_tile_products_give_the_vector_products_bits_at_every_row_count(type_name, tiles_restored):
+    """AMX where this CPU and kernel grant it (else both runs are the vector panels, and the check is theirs):
+    every row count from 1 to 35, so one group of up to 16 rows, several, and the rows past the last group."""
+    weight, _ = fused(type_name, (48, 512), seed=11)
+    x = torch.randn(35, 512) * torch.logspace(-2, 2, 512)
+    portable = block_gemm(x, weight, portable=True)
+    for allowed in (True, False):
+        quantized.use_tiles(allowed)
+        for rows in range(1, 36):
+            assert torch.equal(block_gemm(x[:rows], weight), portable[:rows]), (allowed, rows)
+        assert torch.equal(block_gemm(x[3:29], weight, parallel=True), portable[3:29])
+
+
+def test_the_kernel_version_says_whether_tiles_run(tiles_restored):
+    assert not quantized.use_tiles(False)
+    assert "+amx" not in quantized.kernel_version()
+    running = quantized.use_tiles(True)
+    assert ("+amx" in quantized.kernel_version()) == running
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if not {"amx_int8", "amx_tile", "avx512_vnni"} <= flags:
+        assert not running  # a CPU without AMX never claims it
+
+
 def test_fused_parts_of_different_types_fill_their_own_columns():
     parts = [fused(name, (shape, 256), seed=i) for i, (name, shape) in enumerate([("Q5_0", 64), ("Q8_0", 32),
                                                                                   ("Q6_K", 16)])]
@@ -161,3 +191,13 @@ def test_a_sample_of_rows_finds_the_order_and_a_weight_of_another_model():
     assert matched is not None and np.array_equal(matched.dequantize(), weight.numpy())
     other = torch.from_numpy(decode("Q8_0", random_blocks("Q8_0", (256, 64), 6), (256, 64)).dequantize())
     assert quantized.matching_codes(codes, other, heads=4, sample=16) is None
+
+
+def test_rounding_ties_zero_blocks_and_huge_values_quantize_as_the_definition():
+    """The vector rounding of the activations against the scalar definition where they could part: halves (to
+    nearest even), a block of zeros, and values far apart in size."""
+    weight, _ = fused("Q8_0", (32, 128), seed=4)
+    ties = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])  # scale 1: every other value a tie
+    x = torch.stack([torch.cat([ties, torch.zeros(32), -ties, torch.full((32,), 3e38)]),
+                     torch.cat([torch.zeros(96), torch.logspace(-30, 30, 32)])])
+    assert torch.equal(block_gemm(x, weight), block_gemm(x, weight, portable=True))

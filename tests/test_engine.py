@@ -690,3 +690,17 @@ def test_a_drafts_head_rows_and_their_packed_form_are_kept_for_the_next_generate
     assert (packed is not None) == native.available()
     second(noise, features, positions)
     assert second._packed_head(doubled) is packed  # a new pass of the same draft reuses the head's packed form
+
+
+def test_interleaved_seconds_runs_every_work_in_changing_company():
+    """Each work runs once a turn plus a warm-up turn, and not always after the same work: a rotation would keep
+    each predecessor, and a work that always follows one that evicts its data would always be timed cold."""
+    from flashdraft.engine.kernels import interleaved_seconds
+
+    ran = []
+    works = {name: (lambda name=name: ran.append(name)) for name in "abcde"}
+    seconds = interleaved_seconds(works, repeats=12)
+    assert set(seconds) == set(works) and all(value >= 0 for value in seconds.values())
+    assert sorted(ran) == sorted(list("abcde") * 13)
+    predecessors = {name: {ran[i - 1] for i in range(1, len(ran)) if ran[i] == name} for name in works}
+    assert all(len(before) >= 2 for before in predecessors.values())

@@ -42,24 +42,55 @@
  * block-major, [K/32][rows][32], so that every row's codes of one block sit at a fixed distance from the first
  * row's (a constant offset in the instruction that broadcasts them); with each block's scale and the scale times
  * the sum of its codes ([K/32][rows]), and the sum of every 16 codes ([K/16][rows]); `rows` is the layouts' row
- * count (M or more). One scalar routine for every instruction set, so that every version multiplies the same codes. */
+ * count (M or more). The scalar routine is the definition; the AVX-512 one gives its codes exactly (the largest
+ * magnitude is exact in any order, the product and the rounding to nearest even are the same instructions' work),
+ * and matters at 8 and 16 rows, where the scalar one cost a tenth of a verification. */
+static void quantize_block_scalar(const float *v, signed char *c, float *scale, int halves[2]) {
+    float largest = 0.0f;
+    for (int j = 0; j < X_BLOCK; j++) largest = fabsf(v[j]) > largest ? fabsf(v[j]) : largest;
+    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    halves[0] = halves[1] = 0;
+    for (int j = 0; j < X_BLOCK; j++) {
+        long q = lrintf(v[j] * inverse);
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        c[j] = (signed char)q;
+        halves[j / 16] += (int)q;
+    }
+    *scale = largest / 127.0f;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline void quantize_block_avx512(const float *v, signed char *c, float *scale, int halves[2]) {
+    const __m512 low = _mm512_loadu_ps(v), high = _mm512_loadu_ps(v + 16);
+    /* max(|v|, acc) keeps acc where |v| is NaN, as the scalar comparison does */
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(high), _mm512_max_ps(_mm512_abs_ps(low),
+                                                                                                   _mm512_setzero_ps())));
+    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    const __m512i q0 = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse))));
+    const __m512i q1 = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse))));
+    _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(c + 16), _mm512_cvtepi32_epi8(q1));
+    halves[0] = _mm512_reduce_add_epi32(q0);
+    halves[1] = _mm512_reduce_add_epi32(q1);
+    *scale = largest / 127.0f;
+}
+#endif
+
 void quantize_rows_q8(const float *x, long M, long K, long rows, signed char *codes, float *scales, int *sums16,
-                      float *scaled_sums) {
+                      float *scaled_sums, int portable) {
     for (long m = 0; m < M; m++)
         for (long b = 0; b < K / X_BLOCK; b++) {
             const float *v = x + m * K + b * X_BLOCK;
             signed char *c = codes + (b * rows + m) * X_BLOCK;
-            float largest = 0.0f;
-            for (int j = 0; j < X_BLOCK; j++) largest = fabsf(v[j]) > largest ? fabsf(v[j]) : largest;
-            const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-            int halves[2] = {0, 0};
-            for (int j = 0; j < X_BLOCK; j++) {
-                long q = lrintf(v[j] * inverse);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                c[j] = (signed char)q;
-                halves[j / 16] += (int)q;
-            }
-            const float scale = largest / 127.0f;
+            float scale;
+            int halves[2];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            if (!portable) quantize_block_avx512(v, c, &scale, halves);
+            else
+#endif
+                quantize_block_scalar(v, c, &scale, halves);
+            (void)portable;
             scales[b * rows + m] = scale;
             sums16[(2 * b) * rows + m] = halves[0];
             sums16[(2 * b + 1) * rows + m] = halves[1];
@@ -204,9 +235,9 @@ static inline __attribute__((always_inline)) void panel_avx512(const int MR, con
 
 #define PANELS_AVX512(BITS, BLOCK)                                                                                 \
     static void panels_##BITS##_##BLOCK(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, \
-                                        long first, long end) {                                                    \
+                                        long from, long first, long end) {                                         \
         for (long p = first; p < end; p++)                                                                         \
-            for (long i = 0; i < M; i += MAX_ROWS) switch (M - i < MAX_ROWS ? M - i : MAX_ROWS) {                  \
+            for (long i = from; i < M; i += MAX_ROWS) switch (M - i < MAX_ROWS ? M - i : MAX_ROWS) {               \
                 case 8: panel_avx512(8, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
                 case 7: panel_avx512(7, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
                 case 6: panel_avx512(6, BITS, BLOCK, w, x, i, p, y, ldy); break;                                   \
@@ -224,6 +255,173 @@ PANELS_AVX512(8, 16)
 
 #define FAST_PANELS
 static const char *VERSION = "avx512-vnni";
+
+/* ---- AMX: up to 16 rows of a panel's block in one tile product ----
+ * Why: at 8 and 16 rows the VNNI panels are bound by their multiply instructions (8 a row a block), so a
+ * verification costs 1.4-2.3 one-token steps. One TDPBSUD multiplies a block's codes of up to 16 activation rows
+ * (tile A: rows x 32 signed codes, the layout quantize_rows_q8 writes) by its codes of 16 weight rows (tile B:
+ * the panel layout, 4 codes of 16 rows a 64-byte row) into 16 x 16 int32 sums, the same sums VNNI forms; the float
+ * work per output is the same sequence, so the bits are the VNNI panels' (tests/test_block_gemm.py). Linux grants
+ * the tile registers on request (arch_prctl); where it does not, the VNNI panels run. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_TILES
+#define TILE_ROWS 16
+#define TILE_MIN_ROWS 9 /* fewer rows run the VNNI panels: one pass of theirs takes 8 rows, and below 9 rows a tile
+                          * product costs as much or more (BENCHMARKS.md, "AMX tiles") */
+
+typedef struct {
+    unsigned char palette, start_row, reserved[14];
+    unsigned short bytes[16]; /* bytes a row, per tile */
+    unsigned char rows[16];
+} tile_config;
+
+static int tiles_granted = -1; /* -1: not asked yet; 0: refused (an old kernel, a hypervisor); 1: granted */
+static int tiles_allowed = 1;  /* block_gemm_use_tiles(0) turns them off (tests compare both ways) */
+
+static int tiles_usable(void) {
+    if (tiles_granted < 0) /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: once a process, for all its threads */
+        tiles_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return tiles_allowed && tiles_granted;
+}
+
+/* Two sets of tiles, so that one block's product runs while the other's sums are scaled (a set's tiles are not
+ * renamed: its next product waits for its sums to be stored). Set s: tile 3s the sums (rows x 16 int32), 3s + 1
+ * the activation codes (rows x block bytes), 3s + 2 the weight codes (block / 4 rows of 64 bytes). */
+static void configure_tiles(int rows, int block) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int set = 0; set < 2; set++) {
+        config.rows[3 * set] = config.rows[3 * set + 1] = (unsigned char)rows;
+        config.bytes[3 * set] = 64;
+        config.bytes[3 * set + 1] = (unsigned short)block;
+        config.rows[3 * set + 2] = (unsigned char)(block / 4);
+        config.bytes[3 * set + 2] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Block b of panel p as one byte a code (4- and 5-bit forms): row t of a weight tile holds codes 4t..4t+3 of the
+ * 16 rows. Written a few blocks before its tile load reads it: a tile load waits for stores still in flight to
+ * reach the cache, where a vector load would take them from the store buffer. */
+static inline __attribute__((always_inline)) void unpack_block(const int BITS, const int BLOCK, const block_weight *w,
+                                                              long p, long b, unsigned char *unpacked) {
+    const long blocks = w->cols / BLOCK;
+    const __m512i low4 = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    const unsigned char *c = w->codes + (p * blocks + b) * 4 * 64;
+    for (int g = 0; g < 4; g++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * g));
+        __m512i even = _mm512_and_si512(v, low4), odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (BITS == 5) {
+            unsigned long long masks[2];
+            memcpy(masks, w->high + ((p * blocks + b) * 4 + g) * 16, sizeof masks);
+            even = _mm512_or_si512(even, _mm512_maskz_mov_epi8(masks[0], fifth));
+            odd = _mm512_or_si512(odd, _mm512_maskz_mov_epi8(masks[1], fifth));
+        }
+        _mm512_store_si512((void *)(unpacked + 128 * g), even);
+        _mm512_store_si512((void *)(unpacked + 128 * g + 64), odd);
+    }
+}
+
+#define UNPACK_SLOTS 8 /* unpacked blocks in flight: block b + UNPACK_AHEAD is unpacked while b is multiplied */
+#define UNPACK_AHEAD 4
+
+/* Block b's integer sums of rows i0.. (up to 16) against panel p into `sums` ([rows][16]), by tile set SET, from
+ * the packed codes (8-bit) or the slots of unpacked blocks. */
+static inline __attribute__((always_inline)) void tile_sums(const int SET, const int BITS, const int BLOCK,
+                                                           const block_weight *w, const quantized_rows *x, long i0,
+                                                           long p, long b, unsigned char (*slots)[8 * 64],
+                                                           int *sums) {
+    const long K = w->cols, blocks = K / BLOCK;
+    prefetch_block(w, BITS, BLOCK, p * blocks + b + PREFETCH_BLOCKS);
+    if (BITS != 8 && b + UNPACK_AHEAD < blocks)
+        unpack_block(BITS, BLOCK, w, p, b + UNPACK_AHEAD, slots[(b + UNPACK_AHEAD) % UNPACK_SLOTS]);
+    const unsigned char *weight_codes =
+        BITS == 8 ? w->codes + (p * (K / 4) + b * (BLOCK / 4)) * 64 : slots[b % UNPACK_SLOTS];
+    const signed char *codes = row_codes(x, i0, BLOCK, b);
+    if (SET) {
+        _tile_loadd(5, weight_codes, 64);
+        _tile_loadd(4, codes, X_BLOCK);
+        _tile_zero(3);
+        _tile_dpbsud(3, 4, 5);
+        _tile_stored(3, sums, 64);
+    } else {
+        _tile_loadd(2, weight_codes, 64);
+        _tile_loadd(1, codes, X_BLOCK);
+        _tile_zero(0);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, sums, 64);
+    }
+}
+
+/* The float work of block b for rows i0..i0 + MR - 1, from their integer sums: the VNNI panels' sequence. */
+static inline __attribute__((always_inline)) void scale_sums(const int MR, const int BLOCK, const block_weight *w,
+                                                            const quantized_rows *x, long i0, long p, long b,
+                                                            const int *sums, __m512 *acc) {
+    const long blocks = w->cols / BLOCK;
+    const __m512 scale = _mm512_loadu_ps(w->scale + (p * blocks + b) * PANEL);
+    const __m512 minimum = w->minimum ? _mm512_loadu_ps(w->minimum + (p * blocks + b) * PANEL) : scale;
+    const int *corrections = x->corrections + b * x->rows + i0;
+    const float *scales = row_scales(x, i0, BLOCK, b), *scaled_sums = x->scaled_sums + b * x->rows + i0;
+    for (int i = 0; i < MR; i++) {
+        __m512i sum = _mm512_load_si512((const void *)(sums + 16 * i));
+        if (w->offset) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(corrections[i]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(scales[i])), acc[i]);
+        if (w->minimum) acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(scaled_sums[i]), acc[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_tiles(const int MR, const int BITS, const int BLOCK,
+                                                             const block_weight *w, const quantized_rows *x,
+                                                             long i0, long p, float *y, long ldy) {
+    const long blocks = w->cols / BLOCK;
+    unsigned char slots[UNPACK_SLOTS][8 * 64] __attribute__((aligned(64)));
+    int sums[2][TILE_ROWS * 16] __attribute__((aligned(64)));
+    __m512 acc[TILE_ROWS];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    if (BITS != 8)
+        for (long b = 0; b < UNPACK_AHEAD && b < blocks; b++) unpack_block(BITS, BLOCK, w, p, b, slots[b]);
+    long b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        tile_sums(0, BITS, BLOCK, w, x, i0, p, b, slots, sums[0]);
+        tile_sums(1, BITS, BLOCK, w, x, i0, p, b + 1, slots, sums[1]);
+        scale_sums(MR, BLOCK, w, x, i0, p, b, sums[0], acc);
+        scale_sums(MR, BLOCK, w, x, i0, p, b + 1, sums[1], acc);
+    }
+    if (b < blocks) {
+        tile_sums(0, BITS, BLOCK, w, x, i0, p, b, slots, sums[0]);
+        scale_sums(MR, BLOCK, w, x, i0, p, b, sums[0], acc);
+    }
+    for (int i = 0; i < MR; i++) _mm512_storeu_ps(y + (i0 + i) * ldy + p * PANEL, acc[i]);
+}
+
+#define TILE_CASE(MR, BITS, BLOCK) \
+    case MR: panel_tiles(MR, BITS, BLOCK, w, x, i, p, y, ldy); break;
+/* Rows in groups of `rows` (16, or M when fewer), configured once; the rows past the last group: VNNI. */
+#define PANELS_TILES(BITS, BLOCK)                                                                                  \
+    static void tiles_##BITS##_##BLOCK(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M,  \
+                                       long first, long end) {                                                     \
+        const int rows = M < TILE_ROWS ? (int)M : TILE_ROWS;                                                       \
+        const long grouped = M / rows * rows;                                                                      \
+        configure_tiles(rows, BLOCK);                                                                              \
+        for (long p = first; p < end; p++)                                                                         \
+            for (long i = 0; i < grouped; i += rows) switch (rows) {                                               \
+                    TILE_CASE(2, BITS, BLOCK) TILE_CASE(3, BITS, BLOCK) TILE_CASE(4, BITS, BLOCK)                   \
+                    TILE_CASE(5, BITS, BLOCK) TILE_CASE(6, BITS, BLOCK) TILE_CASE(7, BITS, BLOCK)                   \
+                    TILE_CASE(8, BITS, BLOCK) TILE_CASE(9, BITS, BLOCK) TILE_CASE(10, BITS, BLOCK)                  \
+                    TILE_CASE(11, BITS, BLOCK) TILE_CASE(12, BITS, BLOCK) TILE_CASE(13, BITS, BLOCK)                \
+                    TILE_CASE(14, BITS, BLOCK) TILE_CASE(15, BITS, BLOCK) TILE_CASE(16, BITS, BLOCK)                \
+                }                                                                                                  \
+        _tile_release();                                                                                           \
+        if (grouped < M) panels_##BITS##_##BLOCK(w, x, y, ldy, M, grouped, first, end);                            \
+    }
+PANELS_TILES(4, 32)
+PANELS_TILES(5, 32)
+PANELS_TILES(8, 32)
+PANELS_TILES(8, 16)
+#endif /* AMX */
 
 /* ---- AVX2: each panel as two halves of 8 rows; u8 x s8 pairs summed in int16 (never saturating: codes of up to
  * 5 bits; 8-bit codes go in two 4-bit halves), then in int32 ---- */
@@ -305,10 +503,10 @@ static inline __attribute__((always_inline)) void panel_avx2(const int MR, const
 
 #define PANELS_AVX2(BITS, BLOCK)                                                                                   \
     static void panels_##BITS##_##BLOCK(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, \
-                                        long first, long end) {                                                    \
+                                        long from, long first, long end) {                                         \
         for (long p = first; p < end; p++)                                                                         \
             for (int half = 0; half < 2; half++)                                                                   \
-                for (long i = 0; i < M; i += MAX_ROWS) switch (M - i < MAX_ROWS ? M - i : MAX_ROWS) {              \
+                for (long i = from; i < M; i += MAX_ROWS) switch (M - i < MAX_ROWS ? M - i : MAX_ROWS) {           \
                     case 4: panel_avx2(4, BITS, BLOCK, w, x, i, p, half, y, ldy); break;                           \
                     case 3: panel_avx2(3, BITS, BLOCK, w, x, i, p, half, y, ldy); break;                           \
                     case 2: panel_avx2(2, BITS, BLOCK, w, x, i, p, half, y, ldy); break;                           \
@@ -327,25 +525,51 @@ static const char *VERSION = "avx2";
 static const char *VERSION = "portable";
 #endif
 
-/* The fast versions' panels by weight form; 0 where there are none (the portable build) or none for the form. */
+/* The fast versions' panels by weight form (tiles where granted and worth it); 0 where there are none (the
+ * portable build) or none for the form. */
 #ifdef FAST_PANELS
 static int panels_fast(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, long first,
-                       long end) {
-    if (w->block == 32 && w->bits == 4) panels_4_32(w, x, y, ldy, M, first, end);
-    else if (w->block == 32 && w->bits == 5) panels_5_32(w, x, y, ldy, M, first, end);
-    else if (w->block == 32 && w->bits == 8) panels_8_32(w, x, y, ldy, M, first, end);
-    else if (w->block == 16 && w->bits == 8) panels_8_16(w, x, y, ldy, M, first, end);
+                       long end, int tiles) {
+#ifdef HAVE_TILES
+    if (tiles && M >= TILE_MIN_ROWS) {
+        if (w->block == 32 && w->bits == 4) tiles_4_32(w, x, y, ldy, M, first, end);
+        else if (w->block == 32 && w->bits == 5) tiles_5_32(w, x, y, ldy, M, first, end);
+        else if (w->block == 32 && w->bits == 8) tiles_8_32(w, x, y, ldy, M, first, end);
+        else if (w->block == 16 && w->bits == 8) tiles_8_16(w, x, y, ldy, M, first, end);
+        else return 0;
+        return 1;
+    }
+#endif
+    if (w->block == 32 && w->bits == 4) panels_4_32(w, x, y, ldy, M, 0, first, end);
+    else if (w->block == 32 && w->bits == 5) panels_5_32(w, x, y, ldy, M, 0, first, end);
+    else if (w->block == 32 && w->bits == 8) panels_8_32(w, x, y, ldy, M, 0, first, end);
+    else if (w->block == 16 && w->bits == 8) panels_8_16(w, x, y, ldy, M, 0, first, end);
     else return 0;
     return 1;
 }
 #else
 static int panels_fast(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, long first,
-                       long end) {
+                       long end, int tiles) {
     return 0;
 }
 #endif
 
-const char *block_gemm_version(void) { return VERSION; }
+#ifndef HAVE_TILES
+static int tiles_usable(void) { return 0; }
+#endif
+
+/* "avx512-vnni", "avx2" or "portable", with "+amx" where the tile products run. */
+const char *block_gemm_version(void) { return tiles_usable() ? "avx512-vnni+amx" : VERSION; }
+
+/* Whether the tile products may run (they do where the CPU and the kernel allow); returns whether they now do. */
+int block_gemm_use_tiles(int allowed) {
+#ifdef HAVE_TILES
+    tiles_allowed = allowed;
+#else
+    (void)allowed;
+#endif
+    return tiles_usable();
+}
 
 /* The calling thread's buffers for the quantized rows, kept and grown between calls. */
 static void *rows_scratch(size_t bytes) {
@@ -370,8 +594,9 @@ void block_gemm(const block_weight *parts, long count, const float *x, long M, l
     signed char *codes = (signed char *)buffer;
     float *scales = (float *)(buffer + code_bytes), *scaled_sums = scales + per_block;
     int *sums16 = (int *)(scaled_sums + per_block), *corrections = sums16 + 2 * per_block;
-    quantize_rows_q8(x, M, K, rows, codes, scales, sums16, scaled_sums);
+    quantize_rows_q8(x, M, K, rows, codes, scales, sums16, scaled_sums, portable);
     const quantized_rows q = {codes, scales, scaled_sums, corrections, rows};
+    const int tiles = !portable && tiles_usable(); /* asked here, before the threads start */
     long column = 0;
     for (long c = 0; c < count; c++) {
         const block_weight *w = &parts[c];
@@ -389,7 +614,7 @@ void block_gemm(const block_weight *parts, long count, const float *x, long M, l
 #pragma omp parallel for schedule(static) if (parallel)
         for (long t = 0; t < chunks; t++) {
             const long first = t * panels / chunks, end = (t + 1) * panels / chunks;
-            if (portable || !panels_fast(w, &q, out, ldy, M, first, end))
+            if (portable || !panels_fast(w, &q, out, ldy, M, first, end, tiles))
                 panels_portable(w, &q, out, ldy, M, first, end);
         }
         column += w->rows;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 from collections.abc import Callable
 from functools import partial
@@ -216,14 +217,16 @@ def _forward_with(engine, table: dict, input_ids: torch.Tensor, positions: torch
 
 
 def interleaved_seconds(works: dict, repeats: int, summary: Callable[[list[float]], float] = min) -> dict:
-    """Seconds of each work, run in turns (a rotating order, after one warm-up turn) so that a change in the
-    machine's load touches them all alike, summarised over the `repeats` turns. The least by default: other
+    """Seconds of each work, run in turns (a new seeded order each turn, after one warm-up turn) so that a change
+    in the machine's load touches them all alike, summarised over the `repeats` turns. The least by default: other
     processes only ever add time, and a choice made once and cached must not follow the load of the moment it was
-    measured."""
+    measured. The order is shuffled rather than rotated because a rotation keeps each work's predecessor: a work
+    that always follows one that evicts its weights from the caches (another model's, say) would always run cold."""
     times: dict = {key: [] for key in works}
-    keys = list(works)
+    keys, order = list(works), random.Random(0)
     for turn in range(repeats + 1):
-        for key in keys[turn % len(keys):] + keys[: turn % len(keys)]:
+        order.shuffle(keys)
+        for key in keys:
             began = time.perf_counter()
             works[key]()
             if turn:

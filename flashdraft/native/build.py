@@ -131,6 +131,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
                                   + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_int] * 2)
     loaded.block_gemm.restype = None
     loaded.block_gemm_version.restype = ctypes.c_char_p
+    loaded.block_gemm_use_tiles.argtypes = [ctypes.c_int]
+    loaded.block_gemm_use_tiles.restype = ctypes.c_int
     return loaded, None, identity
 
 
