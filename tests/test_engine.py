@@ -4,6 +4,7 @@ operation and every fallback."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -704,3 +705,15 @@ def test_interleaved_seconds_runs_every_work_in_changing_company():
     assert sorted(ran) == sorted(list("abcde") * 13)
     predecessors = {name: {ran[i - 1] for i in range(1, len(ran)) if ran[i] == name} for name in works}
     assert all(len(before) >= 2 for before in predecessors.values())
+
+
+def test_every_engine_variable_is_documented_and_amx_is_a_setting_of_the_cost_keys(monkeypatch):
+    from flashdraft.engine.settings import VARIABLES, EngineSettings
+
+    guide = (Path(__file__).parents[1] / "docs" / "cpu-engine.md").read_text()
+    assert [name for name in VARIABLES if f"`{name}`" not in guide] == []
+    monkeypatch.setenv("FLASHDRAFT_AMX", "0")
+    off = EngineSettings.from_environment()
+    monkeypatch.setenv("FLASHDRAFT_AMX", "1")
+    on = EngineSettings.from_environment()
+    assert (off.tiles, on.tiles) == (False, True) and off.key() != on.key()

@@ -21,7 +21,7 @@ CHECKED_ROWS = 64  # rows of each weight compared with its blocks where a checks
 # The environment variables the engine reads, each "1" (on) unless set to "0" (off); FLASHDRAFT_ARITHMETIC and CC
 # name a choice.
 VARIABLES = ("FLASHDRAFT_ARITHMETIC", "FLASHDRAFT_PACKED", "FLASHDRAFT_NATIVE_ATTENTION", "FLASHDRAFT_DRAFT_BF16",
-             "FLASHDRAFT_DRAFT_INT8", "FLASHDRAFT_NATIVE", "CC")
+             "FLASHDRAFT_DRAFT_INT8", "FLASHDRAFT_AMX", "FLASHDRAFT_NATIVE", "CC")
 # How torch's threads wait and how many there are: not the engine's to set, but part of its cache keys.
 THREADING_VARIABLES = (*WAITING_VARIABLES, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -31,7 +31,9 @@ class EngineSettings:
     """arithmetic: ARITHMETICS' choice (FLASHDRAFT_ARITHMETIC); packed: a float32 weight read in its exactly packed
     form (FLASHDRAFT_PACKED); native_attention: attention on the native kernel where it fits
     (FLASHDRAFT_NATIVE_ATTENTION); draft_bf16 / draft_int8: a shipped draft's products in bfloat16 / 8-bit
-    arithmetic (FLASHDRAFT_DRAFT_BF16 / FLASHDRAFT_DRAFT_INT8); native: the native C kernels built and offered
+    arithmetic (FLASHDRAFT_DRAFT_BF16 / FLASHDRAFT_DRAFT_INT8); tiles: the int8 kernel's AMX tile products for 9
+    rows or more where the CPU and the operating system allow them (FLASHDRAFT_AMX: the same bits either way, other
+    costs); native: the native C kernels built and offered
     (FLASHDRAFT_NATIVE); compiler: the C compiler that builds them (CC). The last two are not in `key()`: the
     native library's build identity (`flashdraft.native.build_identity()`, None when off) is in every key already."""
 
@@ -40,6 +42,7 @@ class EngineSettings:
     native_attention: bool = True
     draft_bf16: bool = True
     draft_int8: bool = True
+    tiles: bool = True
     native: bool = True
     compiler: str = "cc"
 
@@ -50,12 +53,12 @@ class EngineSettings:
 
         return cls(os.environ.get("FLASHDRAFT_ARITHMETIC", "auto"), on("FLASHDRAFT_PACKED"),
                    on("FLASHDRAFT_NATIVE_ATTENTION"), on("FLASHDRAFT_DRAFT_BF16"), on("FLASHDRAFT_DRAFT_INT8"),
-                   on("FLASHDRAFT_NATIVE"), os.environ.get("CC") or "cc")
+                   on("FLASHDRAFT_AMX"), on("FLASHDRAFT_NATIVE"), os.environ.get("CC") or "cc")
 
     def key(self) -> dict:
         """The settings as part of a cache key."""
         return {"arithmetic": self.arithmetic, "packed": self.packed, "native_attention": self.native_attention,
-                "draft_bf16": self.draft_bf16, "draft_int8": self.draft_int8}
+                "draft_bf16": self.draft_bf16, "draft_int8": self.draft_int8, "tiles": self.tiles}
 
 
 def arithmetic_setting() -> str:

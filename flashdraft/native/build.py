@@ -133,6 +133,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     loaded.block_gemm_version.restype = ctypes.c_char_p
     loaded.block_gemm_use_tiles.argtypes = [ctypes.c_int]
     loaded.block_gemm_use_tiles.restype = ctypes.c_int
+    loaded.block_gemm_use_tiles(int(settings.tiles))  # FLASHDRAFT_AMX=0 turns the tile products off
     return loaded, None, identity
 
 
