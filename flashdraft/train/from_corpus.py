@@ -105,6 +105,14 @@ def fresh_draft(model, start: DFlashDraftModel) -> DFlashDraftModel:
     return draft
 
 
+def drafts_own_shape(config: PipelineConfig, start: DFlashDraftModel) -> PipelineConfig:
+    """`config` with the shape `init_draft` gives the run (its layers, block size, feature layers, drafting
+    vocabulary), so that the card's command says what was trained rather than the options' defaults."""
+    ids = start.config.dflash_config.get("draft_vocab_ids")
+    return replace(config, draft_layers=len(start.layers), block_size=start.block_size,
+                   feature_layers=tuple(start.target_layer_ids), draft_vocab_size=len(ids) if ids else 0)
+
+
 def save_bfloat16(draft: DFlashDraftModel, folder: Path) -> Path:
     copy.deepcopy(draft).float().cpu().to(torch.bfloat16).save_pretrained(folder)
     return folder
@@ -180,7 +188,7 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
                          "gamma": trainer.gamma, "loss weights": trainer.config.loss_weights,
                          "global batch (sequences)": trainer.global_batch,
                          "peak learning rate": config.learning_rate, "device": str(device)},
-            "command": exact_command(config) + " " + shlex.join(run.words)}
+            "command": exact_command(drafts_own_shape(config, start)) + " " + shlex.join(run.words)}
     final = save_trained_draft(trainer.draft, out / "float32", summary, card)
     save_bfloat16(trainer.draft, out / "final")
     for name in ("training.json", "README.md"):

@@ -70,6 +70,9 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     assert card["data"] == {"pattern": {"sequences": 20, "tokens": 20 * 14}}
     assert card["summary"]["steps"] == 10 and card["settings"]["global batch (sequences)"] == 4
     assert card["command"].startswith("flashdraft train --target ") and "--corpus" in card["command"]
+    # The shape is the starting draft's, not the options' defaults (block 16, 2 layers, 5 feature layers, 8192).
+    for words in ("--draft-layers 1 ", "--block-size 4 ", "--feature-layers 0,1 ", "--draft-vocab-size 30 "):
+        assert words in card["command"], words
     final = DFlashDraftModel.from_pretrained(tmp_path / "out" / "final")
     snapshot = DFlashDraftModel.from_pretrained(tmp_path / "out" / "step-5")
     first = DFlashDraftModel.from_pretrained(start)
