@@ -205,3 +205,27 @@ def test_a_measurement_taken_on_a_busy_machine_says_why_it_is_measured_again(tmp
         capsys.readouterr().err)
     files.save_measurement(path, {"verify": {"1": 0.01}}, busy=False)
     assert files.cached_measurement(path) == {"verify": {"1": 0.01}}
+
+
+def test_a_prefill_past_the_measured_row_counts_shares_its_products_among_the_threads(tmp_path, monkeypatch):
+    """Rows past the kernel choice's measured counts (a prefill) have no measured choice: with threads, every product
+    splits its panels among them (it ran on one thread before), and the logits are the same bits either way."""
+    model, _ = load_target(str(gguf_target(tmp_path)))
+    engine = TargetModel(model).engine
+    prompt, positions = torch.randint(0, 96, (1, 48)), torch.arange(48)[None]
+    calls = []
+    real = quantized.block_gemm
+    monkeypatch.setattr(quantized, "block_gemm", lambda x, w, parallel=False, **k: (
+        calls.append((x.shape[0], parallel)), real(x, w, parallel=parallel, **k))[1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = engine.forward(prompt, positions, engine.new_cache())[0]
+        assert calls and not any(parallel for _, parallel in calls)
+        calls.clear()
+        torch.set_num_threads(2)
+        shared = engine.forward(prompt, positions, engine.new_cache())[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert calls and all(parallel for rows, parallel in calls if rows == 48)
+    assert torch.equal(single, shared)

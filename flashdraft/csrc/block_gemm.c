@@ -37,6 +37,7 @@
 
 #define PANEL 16
 #define X_BLOCK 32 /* activation codes per scale */
+#define ROW_CHUNK 128
 
 /* Each activation row rounded to int8 codes, one scale per 32 values (their largest magnitude to 127), laid out
  * block-major, [K/32][rows][32], so that every row's codes of one block sit at a fixed distance from the first
@@ -588,6 +589,12 @@ static void *rows_scratch(size_t bytes) {
  * shares each part's panels among the OpenMP threads. */
 void block_gemm(const block_weight *parts, long count, const float *x, long M, long K, float *y, long ldy,
                 int parallel, int portable) {
+    if (M > ROW_CHUNK) { /* a prefill's rows in chunks whose codes stay in the caches across the weight's panels */
+        for (long r = 0; r < M; r += ROW_CHUNK)
+            block_gemm(parts, count, x + r * K, M - r < ROW_CHUNK ? M - r : ROW_CHUNK, K, y + r * ldy, ldy, parallel,
+                       portable);
+        return;
+    }
     const long rows = M, blocks32 = K / X_BLOCK;
     const size_t code_bytes = (size_t)(rows * K + 63) / 64 * 64, per_block = (size_t)(rows * blocks32);
     char *buffer = rows_scratch(code_bytes + sizeof(float) * 2 * per_block + sizeof(int) * 4 * per_block);

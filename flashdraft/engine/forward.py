@@ -236,7 +236,9 @@ class Engine:
     def _product(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         product = self.kernels.product(kind, x.shape[0])
         if id(weight) in self.blocks:
-            return quantized.block_gemm(x, self.blocks[id(weight)], parallel=product is _native_parallel)
+            # Past the row counts measured (a prefill's hundreds of rows) the threads always share the panels.
+            parallel = product is _native_parallel or (x.shape[0] > max(KERNEL_ROWS) and torch.get_num_threads() > 1)
+            return quantized.block_gemm(x, self.blocks[id(weight)], parallel=parallel)
         return product(x, weight, self.forms[id(weight)])
 
     def max_native_rows(self, threads: bool) -> int:
