@@ -256,7 +256,7 @@ def kernel_version() -> str:
 
 
 def use_tiles(allowed: bool) -> bool:
-    """Let the int8 kernel use AMX tile products for 2 rows or more (the default where the CPU and the operating
+    """Let the int8 kernel use AMX tile products for 9 rows or more (the default where the CPU and the operating
     system allow them), or not; returns whether it now does. The bits are the same either way."""
     from . import native
 
