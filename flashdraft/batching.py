@@ -23,8 +23,10 @@ generator. `add` queues a prompt at any time; `step` runs a prefill and a round 
 5. Roll back: each row keeps its anchor and accepted proposals (`RowCache.keep`); a finished sequence leaves at
    once (the last row takes its place), so a long answer never holds a short one back.
 
-Greedy rows give the tokens they give alone (up to float32 rounding of a batched product, as any block size);
-sampled rows follow the target's distribution exactly, as the rules are the single sequence's.
+Greedy rows give the tokens they give alone: exactly with the engine's int8 arithmetic (the default on registry
+targets: each row's prefill, chunked or from a kept prefix, and each round get the bits they get alone), up to
+float32 rounding of a batched product otherwise (as any block size); sampled rows follow the target's distribution
+exactly, as the rules are the single sequence's.
 """
 
 from __future__ import annotations

@@ -121,8 +121,8 @@ class PromptPrefixes:
     prompts before it; at most `max_tokens` positions are kept in all, the least recently used going first.
 
     A position's K/V depend only on the tokens up to it (causal attention), so any leading part of a kept prefix
-    serves a prompt that shares that part; the row's logits are what a prefill in other chunks gives, equal up to
-    float32 rounding (as any chunked or batched prefill)."""
+    serves a prompt that shares that part; the row's logits are what a prefill in other chunks gives: the same bits
+    with the engine's int8 arithmetic, equal up to float32 rounding otherwise (as any chunked or batched prefill)."""
 
     def __init__(self, max_tokens: int, min_tokens: int = 16, recent: int = 32):
         if not isinstance(max_tokens, int) or max_tokens < 0:
@@ -452,8 +452,8 @@ class TargetModel:
     ) -> list[list[int]]:
         """Decode several prompts together: left-padded, one prefill, then one token per step with a KV cache; a
         row that emits a stop token leaves the batch at once (its cache rows go too). Greedy at temperature 0 (each
-        row what `generate` gives it alone, but for near-ties that padding can flip), else a draw from
-        softmax(logits / T) with `generator`. `on_logits(rows, logits)` sees every step's [b_live, V] logits with
+        row what `generate` gives it alone: exactly with the engine's int8 arithmetic, else but for near-ties that
+        padding can flip), else a draw from softmax(logits / T) with `generator`. `on_logits(rows, logits)` sees every step's [b_live, V] logits with
         the prompt index of each row, before the tokens are picked. Returns each prompt's new token ids (a stop
         token included when one ended it)."""
         device = self.device

@@ -98,6 +98,47 @@ def test_decoding_with_a_draft_gives_plain_int8_decoding_token_for_token(tmp_pat
             assert fast.tokens == plain.tokens
 
 
+def test_a_batchs_prefill_padded_or_chunked_gives_each_row_the_bits_it_gets_alone(tmp_path):
+    model, _ = load_target(str(gguf_target(tmp_path)))
+    target = TargetModel(model)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (length,), generator=generator) for length in (9, 30, 17)]
+    width = 30
+    input_ids = torch.zeros(3, width, dtype=torch.long)
+    padding = torch.ones(3, width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):], padding[row, width - len(prompt):] = prompt, False
+    positions = ((~padding).cumsum(-1) - 1).clamp(min=0)
+    batched, _ = target.engine.forward(input_ids, positions, target.new_cache(), padding=padding)
+    rows = target.new_row_cache()  # a batch's prefill: chunks of different lengths, each row at its own positions
+    for _ in prompts:
+        rows.add_empty()
+    target.prefill_rows([prompt[:5] for prompt in prompts], [0, 0, 0], rows, None)
+    chunked, _ = target.prefill_rows([prompt[5:] for prompt in prompts], [5, 5, 5], rows, None)
+    for row, prompt in enumerate(prompts):
+        alone, _ = target.engine.forward(prompt[None], torch.arange(len(prompt))[None], target.new_cache())
+        assert torch.equal(batched[row, width - len(prompt):], alone[0])
+        assert torch.equal(chunked[row, -1], alone[0, -1])
+
+
+def test_batched_decoding_gives_each_prompt_its_plain_int8_tokens(tmp_path):
+    from flashdraft.train.regenerate import generate_batch
+
+    model, _ = load_target(str(gguf_target(tmp_path)))
+    draft = tiny_draft(model, num_layers=1, block_size=8, mask_token_id=5)
+    generator = torch.Generator().manual_seed(4)
+    opening = torch.randint(0, 96, (20,), generator=generator).tolist()  # shared: later prompts reuse its K/V
+    prompts = [opening + torch.randint(0, 96, (length,), generator=generator).tolist() for length in (3, 41, 12, 27)]
+    plain = [flashdraft.generate(model, None, prompt, max_new_tokens=30, block_size=1).tokens for prompt in prompts]
+    assert generate_batch(model, prompts, 30, stop_ids=[], pad_token_id=0)[0] == plain
+    for batch_draft, block_size, prefill_tokens in ((None, 1, 512), (None, 1, 16), (draft, "auto", 24)):
+        batch = flashdraft.Batch(model, batch_draft, block_size=block_size, prefill_tokens=prefill_tokens)
+        sequences = [batch.add(prompt, max_new_tokens=30) for prompt in prompts]
+        while batch:
+            batch.step()
+        assert [sequence.result.tokens for sequence in sequences] == plain, (block_size, prefill_tokens)
+
+
 def test_float32_arithmetic_stays_on_the_same_model(tmp_path):
     model, _ = load_target(str(gguf_target(tmp_path)))
     remember_engine(model, "auto", arithmetic="float32")

@@ -427,6 +427,36 @@ def test_native_attention_ignores_what_lies_beyond_each_querys_position():
 
 
 @requires_native
+def test_native_attention_gives_each_query_its_bits_alone_in_any_batch_chunk_or_padding():
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, length = 6, 2, 64, 45
+    qkv = torch.randn(length, heads + 2 * kv_heads, head_dim, generator=generator)
+    queries = qkv[:, :heads]
+    keys, values = torch.randn(2, 1, kv_heads, 64, head_dim, generator=generator)
+    alone = native.causal_attention(queries, keys, values, 0)  # the whole prompt at once
+    for cut in (1, 16, 17, 30):  # a prefill in two chunks
+        first = native.causal_attention(queries[:cut], keys, values, 0)
+        rest = native.causal_attention(queries[cut:], keys, values, cut)
+        assert torch.equal(torch.cat([first, rest]), alone)
+    # Left padding: row 1 is the prompt after 7 padding positions, beside another row; its padding queries get zeros.
+    pad = 7
+    padded_keys, padded_values = (torch.randn(2, kv_heads, 64, head_dim, generator=generator) for _ in range(2))
+    padded_keys[1, :, pad : pad + length], padded_values[1, :, pad : pad + length] = keys[0, :, :length], values[0, :, :length]
+    padded_keys[1, :, :pad] = float("nan")  # never read
+    padded_queries = torch.randn(2, length + pad, heads, head_dim, generator=generator)
+    padded_queries[1, pad:] = queries
+    out = native.unchecked_causal_attention(padded_queries.view(-1, heads, head_dim), padded_keys, padded_values, 0,
+                                            first_key=torch.tensor([0, pad]))
+    out = out.view(2, length + pad, -1)
+    assert torch.equal(out[1, pad:], alone) and torch.equal(out[1, :pad], torch.zeros(pad, heads * head_dim))
+    # Each query at its own position (a cache by position): queries 3..9 of the prompt, given in reverse order.
+    order = torch.arange(9, 2, -1)
+    by_position = native.unchecked_causal_attention(queries[order].contiguous(), keys, values, 0,
+                                                    positions=order.contiguous())
+    assert torch.equal(by_position, alone[order])
+
+
+@requires_native
 def test_native_attention_refuses_what_it_cannot_compute():
     keys = torch.zeros(1, 2, 32, 64)
     with pytest.raises(ValueError, match="hd 64 or 128"):

@@ -106,12 +106,15 @@ static inline __attribute__((always_inline)) void attend_tile(const int MQ, cons
  * itself up to its own position), or with `causal` 0 every key up to start+n-1 (a DFlash draft's block, which sees
  * all of itself); query head h reads key/value head h / (heads / kv_heads). Queries [batch * n,
  * heads, head_dim] with `query_stride` floats between rows; out [batch * n, heads * head_dim]. `first_key`
- * [batch] (or NULL: all 0): the first key each row sees, after its left padding. The work goes in
+ * [batch] (or NULL: all 0): the first key each row sees, after its left padding; a query before it (a padding
+ * query) gets zeros. `positions` [batch * n] (or NULL): each query's own position, for rows whose queries do not
+ * sit at start + i (a cache by position); a causal query then sees keys up to it. Each query's result depends only
+ * on its own keys: the same bits in any batch, chunk or tile (what makes batched decoding exact). The work goes in
  * tiles of up to TILE_QUERIES (query, head) pairs of one key/value head, shared among threads when `parallel`.
  * head_dim must be 64 or 128. */
 void causal_attention(const float *q, const float *k, const float *v, float *out, long batch, long n, long heads,
                       long kv_heads, long head_dim, long query_stride, long capacity, long start, const long *first_key,
-                      float scale, int causal, int parallel) {
+                      const long *positions, float scale, int causal, int parallel) {
     const long group = heads / kv_heads, per_head = n * group; /* the queries of one key/value head */
     const long tiles_per_head = (per_head + TILE_QUERIES - 1) / TILE_QUERIES;
     const long tiles = batch * kv_heads * tiles_per_head;
@@ -119,20 +122,27 @@ void causal_attention(const float *q, const float *k, const float *v, float *out
     for (long tile = 0; tile < tiles; tile++) {
         const long b = tile / (kv_heads * tiles_per_head), kv = tile / tiles_per_head % kv_heads;
         const long first = tile % tiles_per_head * TILE_QUERIES;
-        const int count = per_head - first < TILE_QUERIES ? per_head - first : TILE_QUERIES;
+        const int in_tile = per_head - first < TILE_QUERIES ? per_head - first : TILE_QUERIES;
         const float *queries[TILE_QUERIES];
         float *outs[TILE_QUERIES];
         long limits[TILE_QUERIES];
-        for (int r = 0; r < count; r++) { /* the tile's r-th query: query position i, head h */
-            const long i = (first + r) / group, h = kv * group + (first + r) % group, row = b * n + i;
-            queries[r] = q + row * query_stride + h * head_dim;
-            outs[r] = out + (row * heads + h) * head_dim;
-            limits[r] = causal ? start + i + 1 : start + n;
-        }
         /* A left-padded row's keys begin at its first token: the padding is never read, and the row's sums run
          * in the same chunks as the row's alone would. */
         const long begin = first_key != NULL ? first_key[b] : 0;
-        for (int r = 0; r < count; r++) limits[r] -= begin;
+        int count = 0;
+        for (int r = 0; r < in_tile; r++) { /* the tile's r-th query: query position i, head h */
+            const long i = (first + r) / group, h = kv * group + (first + r) % group, row = b * n + i;
+            const long position = positions != NULL ? positions[row] : start + i;
+            const long limit = (causal ? position + 1 : start + n) - begin;
+            float *const row_out = out + (row * heads + h) * head_dim;
+            if (limit <= 0) { /* a padding query: it sees no key */
+                memset(row_out, 0, (size_t)head_dim * sizeof(float));
+                continue;
+            }
+            queries[count] = q + row * query_stride + h * head_dim;
+            outs[count] = row_out;
+            limits[count++] = limit;
+        }
         const float *keys = k + ((b * kv_heads + kv) * capacity + begin) * head_dim;
         const float *values = v + ((b * kv_heads + kv) * capacity + begin) * head_dim;
         const int shape = count * 10 + (int)(head_dim / LANES); /* one compiled copy per (queries, head_dim) */

@@ -99,7 +99,7 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
     }
     const float scale = (float)(1.0 / __builtin_sqrt((double)head_dim)); /* as Python's head_dim ** -0.5 */
     causal_attention(qk + width * qk_heads * head_dim, keys, values, attended, batch, block, heads, kv_heads,
-                     head_dim, qk_heads * head_dim, capacity, start + width, first_key, scale, causal,
+                     head_dim, qk_heads * head_dim, capacity, start + width, first_key, NULL, scale, causal,
                      parallel >> 4 & 1);
     layer_product(attended, &layer->o, update, rows, heads * head_dim, parallel >> 1 & 1);
     add_into(h, update, rows * d);

@@ -37,6 +37,6 @@ void swiglu(const float *x, float *y, long M, long F);
 /* attention.c */
 void causal_attention(const float *q, const float *k, const float *v, float *out, long batch, long n, long heads,
                       long kv_heads, long head_dim, long query_stride, long capacity, long start, const long *first_key,
-                      float scale, int causal, int parallel);
+                      const long *positions, float scale, int causal, int parallel);
 
 #endif

@@ -242,9 +242,9 @@ class Engine:
         return product(x, weight, self.forms[id(weight)])
 
     def max_native_rows(self, threads: bool) -> int:
-        """The most rows of a step whose attention runs on the native kernel. With int8 arithmetic, every step a
-        verification takes: so each token of a block gets exactly what a one-token step gives it (the native
-        attention computes each query alone), and decoding with speculation stays what plain decoding gives."""
+        """The most rows of a step that runs each layer as one native call, and in float32 arithmetic the most
+        whose attention runs on the native kernel (with int8 arithmetic every forward's does). With int8, every step
+        a verification takes."""
         if self.arithmetic == "int8":
             return max(KERNEL_ROWS)
         return NATIVE_ATTENTION_QUERIES["threads" if threads else "one thread"]
@@ -281,12 +281,18 @@ class Engine:
         rows = batch * n
         cos, sin = self.rotary(int(position_ids.max()) + 1)
         cos, sin = cos[position_ids].view(rows, 1, head_dim), sin[position_ids].view(rows, 1, head_dim)
-        visible = self._visible(cache, batch, n, start, end, position_ids)  # [b, 1, n, end] or None
         wanted = set(layer_ids or ())
         collected = []
         threads = torch.get_num_threads() > 1
-        native_attention = (self.native_attention and start is not None and cache.padding is None
-                            and n <= self.max_native_rows(threads))
+        # With int8 arithmetic every forward's attention is the native kernel's, which computes each query alone:
+        # a row gets the same bits in a batch (padded, or by position), a chunked prefill or a block as alone, so
+        # that batched and speculative decoding give exactly the tokens of plain decoding.
+        exact = self.arithmetic == "int8" and (cache.padding is None or cache.leading_padding is not None)
+        native_attention = self.native_attention and (exact or (start is not None and cache.padding is None
+                                                                and n <= self.max_native_rows(threads)))
+        visible = None if native_attention else self._visible(cache, batch, n, start, end, position_ids)
+        first_key = cache.leading_padding if cache.padding is not None else None
+        query_positions = position_ids.reshape(rows).contiguous() if start is None else None
         parallel = threads and attention_key_reads(batch, n, heads, kv_heads, end) >= PARALLEL_KEY_READS
         h = F.embedding(input_ids, self.embed).view(rows, -1)
         # Each layer one native call: one sequence, or a batch's decoding steps (a left-padded row's keys begin
@@ -297,7 +303,6 @@ class Engine:
                          and all(self.kernels.product(kind, rows) in NATIVE_PRODUCTS for kind in LAYER_KINDS))
         if native_layers:
             bits = _parallel_bits(self.kernels, rows, rows, parallel)
-            first_key = cache.leading_padding if cache.padding is not None else None
             for index, layer in enumerate(self.native_layers):
                 native.unchecked_decoder_layer(layer, cache.keys[index], cache.values[index], h, None,
                                                cos.view(rows, head_dim), sin.view(rows, head_dim), start, eps,
@@ -320,7 +325,8 @@ class Engine:
                 keys[:, :, start:end] = qk[:, heads:].view(batch, n, kv_heads, head_dim).transpose(1, 2)
                 values[:, :, start:end] = qkv[:, heads + kv_heads :].view(batch, n, kv_heads, head_dim).transpose(1, 2)
             if native_attention:
-                attended = native.unchecked_causal_attention(qk[:, :heads], keys, values, start, parallel)
+                attended = native.unchecked_causal_attention(qk[:, :heads], keys, values, start or 0, parallel,
+                                                             first_key=first_key, positions=query_positions)
             else:
                 attended = self._attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end], visible, batch, n)
             h = h + self._product("o", attended, layer.o)

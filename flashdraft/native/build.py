@@ -116,7 +116,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
     loaded.norm_rotary.restype = None
     loaded.swiglu.restype = None
-    loaded.causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_void_p, ctypes.c_float]
+    loaded.causal_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 8 + [ctypes.c_void_p] * 2
+                                        + [ctypes.c_float]
                                         + [ctypes.c_int] * 2)
     loaded.causal_attention.restype = None
     loaded.decoder_layer.argtypes = ([ctypes.POINTER(_DecoderLayer)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7

@@ -123,15 +123,21 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def unchecked_causal_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                               parallel: bool = False, causal: bool = True) -> torch.Tensor:
+                               parallel: bool = False, causal: bool = True, first_key: torch.Tensor | None = None,
+                               positions: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_attention` without its checks (~3 us of a ~10 us call), for a caller that guarantees them: the
-    engine, whose cache and projections have that layout by construction."""
+    engine, whose cache and projections have that layout by construction. `first_key` [b] (int64, contiguous): the
+    first key of each row, after its left padding (a padding query gets zeros); `positions` [b * n] (int64,
+    contiguous): each query's position, where the queries of a row do not sit at start, start + 1, ... Each query
+    gets the same bits in any batch, block or chunk it is computed in."""
     rows, heads, head_dim = queries.shape
     batch, kv_heads, capacity, _ = keys.shape
     out = torch.empty(rows, heads * head_dim)
     _build()[0].causal_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), batch,
                                  rows // batch, heads, kv_heads, head_dim, queries.stride(0), capacity, start,
-                                 None, head_dim ** -0.5, int(causal), int(parallel))
+                                 first_key.data_ptr() if first_key is not None else None,
+                                 positions.data_ptr() if positions is not None else None, head_dim ** -0.5,
+                                 int(causal), int(parallel))
     return out
 
 
