@@ -1,9 +1,14 @@
 """Regeneration: the target writes the responses of the training prompts, so the draft learns the target's own
 distribution. Batched, resumable, written as training records (see `flashdraft.train.records`).
 
-Prompts are sorted by length into batches and left-padded; each batch is prefilled once and decoded with a KV
-cache, and a row that emits a stop token leaves the batch (its cache rows are dropped) at once, so finished rows
-cost nothing. Greedy decoding (temperature 0) gives per prompt exactly what the target's own `generate` gives.
+Prompts are sorted by length into groups of `GROUP_BATCHES` batches; a group is decoded by continuous batching
+(`flashdraft.Batch`, plain decoding): `batch_size` prompts at a time, a finished one replaced by the next at once,
+so the rows stay full until the group's last answers. A group's records are written in its planned order when it
+is done, so a resumed run writes the same shards as an uninterrupted one. Greedy decoding (temperature 0) gives each
+prompt exactly what the target's own `generate` gives it alone (bit for bit with the engine's int8 arithmetic); a
+sampled answer draws from a generator seeded by the run's seed and the prompt's place in the set. Storing the
+target's top-k probabilities (`top_k` > 0) needs every step's logits: those runs decode each batch left-padded
+(`TargetModel.generate_batch`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from .prompts import Prompt, encode_prompt
 from .records import DEFAULT_RECORDS_PER_SHARD, RunStats, TrainingRecord, run_resumable
 
 BYTES_PER_TOKEN = 8  # a token id in JSON with its separator
+# Batches a continuously batched group holds: its rows run full until its last few answers, whose tail (fewer rows
+# than `batch_size`) a longer group makes rarer; a kill loses at most the group being decoded.
+GROUP_BATCHES = 8
 BYTES_PER_TOPK_ENTRY = 20  # an id and a probability
 
 
@@ -63,6 +71,25 @@ def generate_batch(
         pad_token_id=pad_token_id, on_logits=keep_top_k if top_k else None,
     )
     return responses, (top if top_k else None)
+
+
+def decode_continuously(model, prompt_ids: Sequence[list[int]], rows: int, max_new_tokens: int, stop_ids: Sequence[int],
+                        temperature: float = 0.0, seeds: Sequence[int] | None = None) -> list[list[int]]:
+    """The target's answers to prompts decoded `rows` at a time by continuous batching (`flashdraft.Batch`, plain
+    decoding), each prompt's answer what it gets alone (sampled ones from their own `seeds`). Returns each prompt's
+    new token ids, in order, a stop token included when one ended it."""
+    from ..batching import Batch
+
+    batch = Batch(TargetModel(model), None, block_size=1)
+    sequences, queued = [], 0
+    while queued < len(prompt_ids) or len(batch):
+        while queued < len(prompt_ids) and len(batch) < rows:
+            sequences.append(batch.add(prompt_ids[queued], max_new_tokens=max_new_tokens, temperature=temperature,
+                                       stop_token_ids=stop_ids,
+                                       seed=seeds[queued] if seeds is not None and temperature > 0 else None))
+            queued += 1
+        batch.step()
+    return [sequence.result.tokens for sequence in sequences]
 
 
 def regenerate_settings(model, tokenizer, *, max_new_tokens: int, temperature: float, top_k: int, batch_size: int,
@@ -117,10 +144,14 @@ def regenerate(
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
 
     def process_batch(batch_number: int, batch: list[int]) -> list[TrainingRecord]:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + batch_number) if temperature > 0 else None
-        responses, top = generate_batch(
-            model, [encoded[i] for i in batch], max_new_tokens, stops, temperature, generator, top_k, pad_token_id
-        )
+        if top_k:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + batch_number) if temperature > 0 else None
+            responses, top = generate_batch(
+                model, [encoded[i] for i in batch], max_new_tokens, stops, temperature, generator, top_k, pad_token_id
+            )
+        else:
+            responses, top = decode_continuously(model, [encoded[i] for i in batch], batch_size, max_new_tokens, stops,
+                                                 temperature, [seed * 1_000_003 + i for i in batch]), None
         return [
             TrainingRecord(
                 id=prompts[i].id,
@@ -143,7 +174,7 @@ def regenerate(
         folder=output_dir,
         settings=settings,
         process_batch=process_batch,
-        batch_size=batch_size,
+        batch_size=batch_size if top_k else batch_size * GROUP_BATCHES,
         bytes_per_record=bytes_per_record,
         description="regenerating",
         records_per_shard=records_per_shard,

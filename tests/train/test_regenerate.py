@@ -1,6 +1,7 @@
 """Regeneration and teacher-forced labels on tiny random targets: equal to the target's own `generate` and
 forward, resumable after a kill, and the record folder guarded against mixed settings and full disks."""
 
+import importlib
 import json
 import random
 import shutil
@@ -15,6 +16,8 @@ from flashdraft.train.labels import label_responses
 from flashdraft.train.prompts import Prompt, encode_prompt, user_prompt
 from flashdraft.train.records import read_meta, read_records
 from flashdraft.train.regenerate import regenerate, required_stop_token_ids
+
+regenerate_module = importlib.import_module("flashdraft.train.regenerate")  # the package exports a function too
 
 from tiny import greedy_reference, tiny_target, tiny_tokenizer
 
@@ -116,6 +119,7 @@ class Killed(Exception):
 
 
 def test_resumed_regeneration_writes_the_same_shards_as_an_uninterrupted_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(regenerate_module, "GROUP_BATCHES", 1)  # a group of 2 prompts: 5 writes
     prompts = random_prompts(9)
     model = with_stop_token(tiny_target(seed=1), prompts)
     settings = dict(max_new_tokens=MAX_NEW, batch_size=2, records_per_shard=3, progress=False)
@@ -144,6 +148,7 @@ def test_resumed_regeneration_writes_the_same_shards_as_an_uninterrupted_run(tmp
 
 
 def test_a_time_limit_stops_between_batches_and_a_later_run_continues(tmp_path, monkeypatch):
+    monkeypatch.setattr(regenerate_module, "GROUP_BATCHES", 1)  # a group of 2 prompts: 5 writes
     prompts = random_prompts(9)
     model = tiny_target(seed=1)
     settings = dict(max_new_tokens=4, batch_size=2, records_per_shard=3, progress=False)

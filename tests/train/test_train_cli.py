@@ -145,16 +145,17 @@ def test_label_minutes_zero_trains_on_the_records_so_far(target_folder, tmp_path
     prompt_file(tmp_path / "prompts.jsonl")
     assert main(train_args(target_folder, tmp_path, "--label-minutes", "0")) == 2  # nothing labelled yet
     assert "holds no training records" in capsys.readouterr().err
-    # Labelling is interrupted (Ctrl-C) after its first batch of 8 prompts.
-    generate_batch, batches = regenerate_module.generate_batch, []
+    # Labelling is interrupted (Ctrl-C) after its first batch of 8 prompts (a group of one batch).
+    monkeypatch.setattr(regenerate_module, "GROUP_BATCHES", 1)
+    decode_continuously, batches = regenerate_module.decode_continuously, []
 
     def interrupted_after_one_batch(*args, **kwargs):
         if batches:
             raise KeyboardInterrupt
         batches.append(1)
-        return generate_batch(*args, **kwargs)
+        return decode_continuously(*args, **kwargs)
 
-    monkeypatch.setattr(regenerate_module, "generate_batch", interrupted_after_one_batch)
+    monkeypatch.setattr(regenerate_module, "decode_continuously", interrupted_after_one_batch)
     assert main(train_args(target_folder, tmp_path, "--until", "labels", "--data-batch-size", "8")) == 130
     monkeypatch.undo()
     assert main(train_args(target_folder, tmp_path, "--label-minutes", "0", "--data-batch-size", "8")) == 0
