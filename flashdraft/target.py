@@ -453,9 +453,9 @@ class TargetModel:
         """Decode several prompts together: left-padded, one prefill, then one token per step with a KV cache; a
         row that emits a stop token leaves the batch at once (its cache rows go too). Greedy at temperature 0 (each
         row what `generate` gives it alone: exactly with the engine's int8 arithmetic, else but for near-ties that
-        padding can flip), else a draw from softmax(logits / T) with `generator`. `on_logits(rows, logits)` sees every step's [b_live, V] logits with
-        the prompt index of each row, before the tokens are picked. Returns each prompt's new token ids (a stop
-        token included when one ended it)."""
+        padding can flip), else a draw from softmax(logits / T) with `generator`. `on_logits(rows, logits)` sees
+        every step's [b_live, V] logits with the prompt index of each row, before the tokens are picked. Returns
+        each prompt's new token ids (a stop token included when one ended it)."""
         device = self.device
         width = max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long, device=device)

@@ -441,7 +441,8 @@ def test_native_attention_gives_each_query_its_bits_alone_in_any_batch_chunk_or_
     # Left padding: row 1 is the prompt after 7 padding positions, beside another row; its padding queries get zeros.
     pad = 7
     padded_keys, padded_values = (torch.randn(2, kv_heads, 64, head_dim, generator=generator) for _ in range(2))
-    padded_keys[1, :, pad : pad + length], padded_values[1, :, pad : pad + length] = keys[0, :, :length], values[0, :, :length]
+    padded_keys[1, :, pad : pad + length] = keys[0, :, :length]
+    padded_values[1, :, pad : pad + length] = values[0, :, :length]
     padded_keys[1, :, :pad] = float("nan")  # never read
     padded_queries = torch.randn(2, length + pad, heads, head_dim, generator=generator)
     padded_queries[1, pad:] = queries

@@ -86,6 +86,21 @@ def test_shipped_draft_is_lossless_and_still_accepts(smollm2):
     assert sum(taus) / len(taus) >= SHIPPED_TAU_FLOOR
 
 
+@pytest.mark.slow
+def test_prompts_decoded_together_get_exactly_what_each_gets_alone(smollm2):
+    """Continuous batching (prompts of different lengths, a shared chat-template opening prefilled once) gives each
+    prompt its own plain decoding, token for token, with the draft and without: the engine's int8 arithmetic
+    computes every row of a batch, a chunk or a block as it computes it alone."""
+    model, tokenizer = smollm2
+    stop = flashdraft.stop_token_ids(model, tokenizer)
+    prompts = [flashdraft.encode_chat(tokenizer, [{"role": "user", "content": text}])
+               for text in [*CODE_PROMPTS, "Name three colours.", "Explain what a hash table is, with an example."]]
+    alone = [plain(model, ids, 48, stop) for ids in prompts]
+    for draft in (None, load_draft(None)):
+        together = flashdraft.generate(model, draft, prompts, max_new_tokens=48, stop_token_ids=stop)
+        assert [result.tokens for result in together] == alone
+
+
 # Measured mean tau of the shipped draft on these prompts (48 tokens, its own block size, 8-bit draft products as by
 # default here): 2.492 (2026-12-05, draft v17, block 8, bfloat16 on disk; v16 gave 2.565, though v17 replays
 # above it on two benchmark sets and within noise on GSM8K; v15 2.478 and v14 2.571 in one session, though v15

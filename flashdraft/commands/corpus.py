@@ -3,7 +3,7 @@ background, session after session (format and recipe: `flashdraft/train/corpus.p
 
     status        records and response tokens: the corpus folder, and the work folder of its regeneration
     regenerate    import the corpus into the work folder, then answer the rest of the prompt set in the background
-                  at low priority (nice 19, one thread); resumable: no prompt is ever answered twice
+                  at low priority (nice 19, one thread unless --threads); resumable: no prompt is ever answered twice
     pause/resume  stop and continue a background regeneration (pause it while timing anything)
     stop          end it (what it wrote is kept; `regenerate` continues from there)
     export        append the answers the corpus lacks as one new shard (then commit corpus/TARGET)
@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regenerate = action("regenerate", "import the corpus, then regenerate the rest of the prompt set in the background")
     regenerate.add_argument("--foreground", action="store_true",
                             help="run in this terminal, with a progress bar, instead of in the background")
+    regenerate.add_argument("--threads", type=int, default=1,
+                            help="CPU threads (default: 1, beside other work; all the cores on a machine that is "
+                            "the regeneration's alone: it stays at nice 19, so it yields to everything else)")
     action("pause", "pause a background regeneration (SIGSTOP to its process group)")
     action("resume", "resume a paused background regeneration")
     action("stop", "end a background regeneration; what it wrote is kept")
@@ -145,14 +148,18 @@ def _export(args, corpus: Path, work: Path) -> int:
 def _regenerate(args, corpus: Path, work: Path) -> int:
     from flashdraft.train.corpus import regeneration_arguments
 
+    if args.threads < 1 or args.threads > (os.cpu_count() or 1):
+        raise ValueError(f"--threads must be between 1 and the {os.cpu_count()} cores here, got {args.threads}")
     if _running(work):
         raise ValueError(f"a regeneration already runs in {work} (process group {_running(work)}): "
                          f"`flashdraft corpus status --target {args.target}`")
     _import(args, corpus, work)
     command = [sys.executable, "-m", "flashdraft.cli", *regeneration_arguments(args.target, work, num_prompts(args))]
-    # One thread that sleeps when idle: the regeneration shares the machine with whatever else runs. The answers in
-    # the corpus's own arithmetic (`regenerate_settings`): float32 where its settings name none.
-    environment = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
+    # Threads that sleep when idle: the regeneration shares the machine with whatever else runs. The answers in the
+    # corpus's own arithmetic (`regenerate_settings`): float32 where its settings name none. The thread count
+    # changes how fast, never what: each answer is what the target gives it alone.
+    threads = str(args.threads)
+    environment = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OMP_WAIT_POLICY="PASSIVE",
                        FLASHDRAFT_ARITHMETIC=corpus_arithmetic(corpus))
     if args.foreground:
         return subprocess.call(command, env=environment)

@@ -220,3 +220,7 @@ def test_the_corpus_command_reports_the_corpus_and_refuses_unknown_targets(tmp_p
     assert "unknown target 'nosuch'" in capsys.readouterr().err
     assert main(["corpus", "pause", "--corpus", str(tmp_path / "c")]) == 1
     assert "no regeneration runs in" in capsys.readouterr().err
+    for threads in ("0", "100000"):
+        assert main(["corpus", "regenerate", "--corpus", str(tmp_path / "c"), "--threads", threads]) == 2
+        assert "--threads must be between 1 and the" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "corpus").exists()  # refused before any work

@@ -17,9 +17,9 @@ from flashdraft.train.prompts import Prompt, encode_prompt, user_prompt
 from flashdraft.train.records import read_meta, read_records
 from flashdraft.train.regenerate import regenerate, required_stop_token_ids
 
-regenerate_module = importlib.import_module("flashdraft.train.regenerate")  # the package exports a function too
-
 from tiny import greedy_reference, tiny_target, tiny_tokenizer
+
+regenerate_module = importlib.import_module("flashdraft.train.regenerate")  # the package exports a function too
 
 MAX_NEW = 12
 TOKENIZER = tiny_tokenizer()
