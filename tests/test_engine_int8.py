@@ -98,7 +98,7 @@ def test_decoding_with_a_draft_gives_plain_int8_decoding_token_for_token(tmp_pat
             assert fast.tokens == plain.tokens
 
 
-def test_a_batchs_prefill_padded_or_chunked_gives_each_row_the_bits_it_gets_alone(tmp_path):
+def test_a_batchs_prefill_padded_or_chunked_gives_each_row_the_bits_it_gets_alone(tmp_path, monkeypatch):
     model, _ = load_target(str(gguf_target(tmp_path)))
     target = TargetModel(model)
     generator = torch.Generator().manual_seed(3)
@@ -119,6 +119,25 @@ def test_a_batchs_prefill_padded_or_chunked_gives_each_row_the_bits_it_gets_alon
         alone, _ = target.engine.forward(prompt[None], torch.arange(len(prompt))[None], target.new_cache())
         assert torch.equal(batched[row, width - len(prompt):], alone[0])
         assert torch.equal(chunked[row, -1], alone[0, -1])
+    # A decoding step of those rows, each at its own positions: each layer one native call, the same bits as the
+    # layer operator by operator, and as each row's step alone.
+    steps = torch.randint(0, 96, (3, 2), generator=generator)
+    positions = torch.tensor([[len(prompt), len(prompt) + 1] for prompt in prompts])
+    stepped, native_calls = {}, []
+    layer_call = native.unchecked_decoder_layer
+    monkeypatch.setattr(native, "unchecked_decoder_layer",
+                        lambda *args, **kwargs: native_calls.append(1) or layer_call(*args, **kwargs))
+    for layers in (True, False):
+        target.engine.use_native_layers = layers
+        stepped[layers], _ = target.forward_rows(steps, positions, rows, None)
+    target.engine.use_native_layers = True
+    assert len(native_calls) == 2  # both layers, once
+    assert torch.equal(stepped[True], stepped[False])
+    for row, prompt in enumerate(prompts):
+        cache = target.new_cache()
+        target.engine.forward(prompt[None], torch.arange(len(prompt))[None], cache)
+        alone, _ = target.engine.forward(steps[row : row + 1], positions[row : row + 1], cache)
+        assert torch.equal(stepped[True][row], alone[0])
 
 
 def test_batched_decoding_gives_each_prompt_its_plain_int8_tokens(tmp_path):

@@ -21,7 +21,9 @@
  * same result bit for bit. Several sequences (`batch`, without a context): h holds each one's block in turn, the
  * cache [batch, kv_heads, capacity, head_dim], `cos`/`sin` a row per window row, and `first_key` [batch] (or NULL)
  * the first cache position each sequence sees (after its left padding): each row's result is the one it would get
- * alone. Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16 attention. */
+ * alone. `positions` [batch * block] (or NULL): each row's own position, where a cache holds each sequence at its
+ * own positions (continuous batching): its keys and values go there and its query sees the cache up to it.
+ * Bits of `parallel` share among threads: 1 q/k/v, 2 o, 4 gate/up, 8 down, 16 attention. */
 typedef struct { /* a product's weight in a form the kernels read */
     int format;          /* 0 float32 [rows, K]; BF16, Q8_0, Q4_1 packed exactly;
                             BLOCKS: `parts` GGUF-block weights (block_gemm.c), `data` pointing to them */
@@ -68,8 +70,8 @@ static void add_into(float *h, const float *update, long count) {
 
 void decoder_layer(const decoder_layer_weights *layer, float *keys, float *values, float *h, const float *context,
                    long batch, long width, long block, long d, long heads, long kv_heads, long head_dim,
-                   const float *cos, const float *sin, long capacity, long start, const long *first_key, float eps,
-                   int causal, int parallel) {
+                   const float *cos, const float *sin, long capacity, long start, const long *first_key,
+                   const long *positions, float eps, int causal, int parallel) {
     /* rows: the block's of every sequence; n: the window's (a context joins one sequence's block only) */
     const long rows = batch * block, n = width + rows, qk_heads = heads + kv_heads;
     const long qkv_width = (heads + 2 * kv_heads) * head_dim, features = layer->gate_up.rows / 2;
@@ -89,7 +91,8 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
         for (long m = 0; m < n; m++) add_into(qkv + m * qkv_width, layer->qkv_bias, qkv_width);
     norm_rotary(qkv, qkv_width, layer->qk_norm, qk_heads, eps, cos, sin, qk, n, head_dim);
     for (long m = 0; m < n; m++) {
-        const long b = m / (width + block), position = start + m % (width + block);
+        const long b = m / (width + block);
+        const long position = positions != NULL ? positions[m] : start + m % (width + block);
         for (long g = 0; g < kv_heads; g++) {
             const size_t at = (size_t)((((b * kv_heads) + g) * capacity + position) * head_dim);
             memcpy(keys + at, qk + (m * qk_heads + heads + g) * head_dim, sizeof(float) * (size_t)head_dim);
@@ -99,7 +102,7 @@ void decoder_layer(const decoder_layer_weights *layer, float *keys, float *value
     }
     const float scale = (float)(1.0 / __builtin_sqrt((double)head_dim)); /* as Python's head_dim ** -0.5 */
     causal_attention(qk + width * qk_heads * head_dim, keys, values, attended, batch, block, heads, kv_heads,
-                     head_dim, qk_heads * head_dim, capacity, start + width, first_key, NULL, scale, causal,
+                     head_dim, qk_heads * head_dim, capacity, start + width, first_key, positions, scale, causal,
                      parallel >> 4 & 1);
     layer_product(attended, &layer->o, update, rows, heads * head_dim, parallel >> 1 & 1);
     add_into(h, update, rows * d);
@@ -153,7 +156,7 @@ void draft_block(const draft_weights *draft, float *const *keys, float *const *v
     rms_norm(spare_rows, d, draft->hidden_norm, 1, context, width, d, eps);
     for (long i = 0; i < draft->num_layers; i++)
         decoder_layer(&draft->layers[i], keys[i], values[i], h, context, 1, width, block, d, heads, kv_heads,
-                      head_dim, cos, sin, capacity, start, NULL, eps, 0, parallel & 31);
+                      head_dim, cos, sin, capacity, start, NULL, NULL, eps, 0, parallel & 31);
     rms_norm(h + first * d, d, draft->norm, 1, spare_rows, rows, d, eps);
     layer_product(spare_rows, &draft->head, logits, rows, d, parallel >> 6 & 1);
     for (long m = 0; m < rows; m++) {

@@ -296,17 +296,18 @@ class Engine:
         parallel = threads and attention_key_reads(batch, n, heads, kv_heads, end) >= PARALLEL_KEY_READS
         h = F.embedding(input_ids, self.embed).view(rows, -1)
         # Each layer one native call: one sequence, or a batch's decoding steps (a left-padded row's keys begin
-        # after its padding, so each row gets what it gets alone), every product on the native kernel.
-        native_layers = (self.native_layers is not None and self.use_native_layers and start is not None
-                         and n <= self.max_native_rows(threads)
+        # after its padding; in int8, also each row at its own positions), every product on the native kernel.
+        native_layers = (self.native_layers is not None and self.use_native_layers
+                         and (start is not None or exact) and n <= self.max_native_rows(threads)
                          and (cache.padding is None or (padding is None and cache.leading_padding is not None))
                          and all(self.kernels.product(kind, rows) in NATIVE_PRODUCTS for kind in LAYER_KINDS))
         if native_layers:
             bits = _parallel_bits(self.kernels, rows, rows, parallel)
             for index, layer in enumerate(self.native_layers):
                 native.unchecked_decoder_layer(layer, cache.keys[index], cache.values[index], h, None,
-                                               cos.view(rows, head_dim), sin.view(rows, head_dim), start, eps,
-                                               parallel=bits, first_key=first_key, batch=batch)
+                                               cos.view(rows, head_dim), sin.view(rows, head_dim), start or 0, eps,
+                                               parallel=bits, first_key=first_key, batch=batch,
+                                               positions=query_positions)
                 if index in wanted:
                     collected.append(h.clone())  # h changes in place
         for index, layer in enumerate(() if native_layers else self.layers):  # else operator by operator

@@ -121,7 +121,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None, str | None]:
                                         + [ctypes.c_int] * 2)
     loaded.causal_attention.restype = None
     loaded.decoder_layer.argtypes = ([ctypes.POINTER(_DecoderLayer)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
-                                     + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_float]
+                                     + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+                                     + [ctypes.c_float]
                                      + [ctypes.c_int] * 2)
     loaded.decoder_layer.restype = None
     loaded.draft_block.argtypes = ([ctypes.POINTER(_DraftWeights)] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7

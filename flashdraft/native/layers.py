@@ -130,16 +130,19 @@ def decoder_layer(layer: DecoderLayer, keys: torch.Tensor, values: torch.Tensor,
 def unchecked_decoder_layer(layer: DecoderLayer, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
                             context: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor, start: int,
                             eps: float, causal: bool = True, parallel: int = 0, first_key: torch.Tensor | None = None,
-                            batch: int = 1) -> None:
+                            batch: int = 1, positions: torch.Tensor | None = None) -> None:
     """`decoder_layer` without its checks, for a caller that guarantees them: the engine, whose caches and tables
-    have that layout by construction."""
+    have that layout by construction. `positions` (int64 [b * q], contiguous; no context): each row's own position
+    in a cache that holds each sequence at its own positions (continuous batching), where its keys and values go
+    and up to which its query sees."""
     rows = hidden.shape[0]
     width = context.shape[0] if context is not None else 0
     _build()[0].decoder_layer(ctypes.byref(layer.table), keys.data_ptr(), values.data_ptr(), hidden.data_ptr(),
                               context.data_ptr() if context is not None else None, batch, width, rows // batch,
                               layer.hidden_size, layer.heads, layer.kv_heads, layer.head_dim, cos.data_ptr(),
                               signed_sin.data_ptr(), keys.shape[-2], start,
-                              first_key.data_ptr() if first_key is not None else None, eps, int(causal), parallel)
+                              first_key.data_ptr() if first_key is not None else None,
+                              positions.data_ptr() if positions is not None else None, eps, int(causal), parallel)
 
 
 @dataclass
