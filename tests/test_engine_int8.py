@@ -156,6 +156,13 @@ def test_batched_decoding_gives_each_prompt_its_plain_int8_tokens(tmp_path):
         while batch:
             batch.step()
         assert [sequence.result.tokens for sequence in sequences] == plain, (block_size, prefill_tokens)
+    # Sampled plain decoding with a seed: the same draws as alone, since every row's logits are its own, bit for
+    # bit. (With a draft the rounds are planned with the batch's costs, so the draws follow the same distribution
+    # but are other draws.)
+    sampled = dict(max_new_tokens=30, temperature=0.9, seed=11, block_size=1)
+    alone = [flashdraft.generate(model, None, prompt, **sampled).tokens for prompt in prompts]
+    together = flashdraft.generate(model, None, prompts, **sampled)
+    assert [result.tokens for result in together] == alone
 
 
 def test_float32_arithmetic_stays_on_the_same_model(tmp_path):
