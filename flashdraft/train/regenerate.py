@@ -6,9 +6,10 @@ Prompts are sorted by length into groups of `GROUP_BATCHES` batches; a group is 
 so the rows stay full until the group's last answers. A group's records are written in its planned order when it
 is done, so a resumed run writes the same shards as an uninterrupted one. Greedy decoding (temperature 0) gives each
 prompt exactly what the target's own `generate` gives it alone (bit for bit with the engine's int8 arithmetic); a
-sampled answer draws from a generator seeded by the run's seed and the prompt's place in the set. Storing the
-target's top-k probabilities (`top_k` > 0) needs every step's logits: those runs decode each batch left-padded
-(`TargetModel.generate_batch`).
+sampled answer draws from a generator seeded by the run's seed and the prompt's place in the set. Two kinds of run
+decode each batch left-padded instead (`TargetModel.generate_batch`): those that store the target's top-k
+probabilities (`top_k` > 0), which need every step's logits, and those on transformers' forward (a GPU), where a
+continuous batch would run row by row.
 """
 
 from __future__ import annotations
@@ -143,8 +144,12 @@ def regenerate(
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
 
+    # Continuous batching pays on the engine (the CPU), whose batch rows each sit at their own positions; on
+    # transformers' forward (a GPU) a continuous batch runs row by row, so there the batches stay left-padded.
+    continuous = not top_k and TargetModel(model).engine is not None
+
     def process_batch(batch_number: int, batch: list[int]) -> list[TrainingRecord]:
-        if top_k:
+        if not continuous:
             generator = torch.Generator().manual_seed(seed * 1_000_003 + batch_number) if temperature > 0 else None
             responses, top = generate_batch(
                 model, [encoded[i] for i in batch], max_new_tokens, stops, temperature, generator, top_k, pad_token_id
@@ -174,7 +179,7 @@ def regenerate(
         folder=output_dir,
         settings=settings,
         process_batch=process_batch,
-        batch_size=batch_size if top_k else batch_size * GROUP_BATCHES,
+        batch_size=batch_size * GROUP_BATCHES if continuous else batch_size,
         bytes_per_record=bytes_per_record,
         description="regenerating",
         records_per_shard=records_per_shard,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from filelock import FileLock
 
+from flashdraft.target import remember_engine
 from flashdraft.train import records
 from flashdraft.train.labels import label_responses
 from flashdraft.train.prompts import Prompt, encode_prompt, user_prompt
@@ -54,10 +55,11 @@ def shard_contents(folder) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.glob("shard-*.jsonl"))}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_batched_regeneration_equals_greedy_generate_per_prompt(tmp_path, arch):
+@pytest.mark.parametrize("arch, engine", [("llama", "auto"), ("qwen2", "auto"), ("llama", "transformers")])
+def test_batched_regeneration_equals_greedy_generate_per_prompt(tmp_path, arch, engine):
     prompts = random_prompts(7)
     model = with_stop_token(tiny_target(arch, seed=1), prompts)
+    remember_engine(model, engine)  # the engine's continuous batches; transformers' forward's left-padded ones
     stats = regenerate(model, TOKENIZER, prompts, tmp_path, max_new_tokens=MAX_NEW, batch_size=3, progress=False)
     got = responses(tmp_path)
     stops = required_stop_token_ids(model, TOKENIZER)  # the generation config's end token and the tokenizer's
