@@ -22,10 +22,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 PID_FILE = "regenerate.pid"
 LOG_FILE = "regenerate.log"
+STOP_WAIT_SECONDS = 30.0  # a regeneration ends within a second of SIGTERM; past this, `stop` says so
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "the regeneration's alone: it stays at nice 19, so it yields to everything else)")
     action("pause", "pause a background regeneration (SIGSTOP to its process group)")
     action("resume", "resume a paused background regeneration")
-    action("stop", "end a background regeneration; what it wrote is kept")
+    action("stop", "end a background regeneration, paused or not, and wait until it has; what it wrote is kept")
     action("export", "append the answers the corpus lacks as a new shard")
     action("import", "write the corpus's records into the regeneration's work folder")
     folder = action("train-folder", "write a training work folder: the prompt set and the corpus's records")
@@ -94,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
                          f"{', '.join(REGISTRY)}")
     corpus = (args.corpus or Path("corpus") / args.target).expanduser()
     work = work_folder(args)
-    if args.action in ("pause", "resume", "stop"):
-        return _signal(work, {"pause": signal.SIGSTOP, "resume": signal.SIGCONT, "stop": signal.SIGTERM}[args.action])
+    if args.action in ("pause", "resume"):
+        return _signal(work, {"pause": signal.SIGSTOP, "resume": signal.SIGCONT}[args.action])
+    if args.action == "stop":
+        return _stop(work)
     return {"status": _status, "regenerate": _regenerate, "export": _export, "import": _import,
             "train-folder": _train_folder}[args.action](args, corpus, work)
 
@@ -155,12 +159,16 @@ def _regenerate(args, corpus: Path, work: Path) -> int:
                          f"`flashdraft corpus status --target {args.target}`")
     _import(args, corpus, work)
     command = [sys.executable, "-m", "flashdraft.cli", *regeneration_arguments(args.target, work, num_prompts(args))]
-    # Threads that sleep when idle: the regeneration shares the machine with whatever else runs. The answers in the
-    # corpus's own arithmetic (`regenerate_settings`): float32 where its settings name none. The thread count
-    # changes how fast, never what: each answer is what the target gives it alone.
+    # One thread sleeps when idle: the regeneration shares the machine with whatever else runs. More threads wait
+    # as the command line chooses when it starts (`choose_thread_waiting`: a short spin on an idle machine; asleep,
+    # they would wake ~100 times a step, which cost two threads all they gained). The answers in the corpus's own
+    # arithmetic (`regenerate_settings`): float32 where its settings name none. The thread count changes how fast,
+    # never what: each answer is what the target gives it alone.
     threads = str(args.threads)
-    environment = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OMP_WAIT_POLICY="PASSIVE",
+    environment = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
                        FLASHDRAFT_ARITHMETIC=corpus_arithmetic(corpus))
+    if args.threads == 1:
+        environment["OMP_WAIT_POLICY"] = "PASSIVE"
     if args.foreground:
         return subprocess.call(command, env=environment)
     work.mkdir(parents=True, exist_ok=True)
@@ -212,6 +220,26 @@ def _signal(work: Path, sig: signal.Signals) -> int:
         return 1
     os.killpg(pid, sig)
     print(f"{sig.name} sent to process group {pid}", file=sys.stderr)
+    return 0
+
+
+def _stop(work: Path, wait: float = STOP_WAIT_SECONDS) -> int:
+    """End the regeneration (a paused one too: it is continued so that it can end) and wait until it has, so that
+    a `regenerate` right after finds none running."""
+    pid = _running(work)
+    if pid is None:
+        print(f"no regeneration runs in {work}", file=sys.stderr)
+        return 1
+    os.killpg(pid, signal.SIGTERM)
+    os.killpg(pid, signal.SIGCONT)
+    deadline = time.monotonic() + wait
+    while _running(work) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _running(work) is not None:
+        print(f"SIGTERM sent to process group {pid}, which has not ended after {wait:.0f} s: "
+              f"`flashdraft corpus status` says when it has", file=sys.stderr)
+        return 1
+    print(f"stopped process group {pid}; what it wrote is kept", file=sys.stderr)
     return 0
 
 

@@ -224,3 +224,36 @@ def test_the_corpus_command_reports_the_corpus_and_refuses_unknown_targets(tmp_p
         assert main(["corpus", "regenerate", "--corpus", str(tmp_path / "c"), "--threads", threads]) == 2
         assert "--threads must be between 1 and the" in capsys.readouterr().err
     assert not (tmp_path / "home" / "corpus").exists()  # refused before any work
+
+
+def test_stop_ends_a_paused_regeneration_and_returns_once_it_has(tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from flashdraft.cli import main
+
+    work = tmp_path / "work"
+    work.mkdir()
+    # A stand-in for a background regeneration: a process in a session of its own whose starter has exited, as
+    # `regenerate` leaves it (the shell is the group's leader; the sleeper, its member, is reaped by the system).
+    starter = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(120)' &"],
+                               start_new_session=True)
+    group = starter.pid
+    starter.wait()
+    try:
+        (work / "regenerate.pid").write_text(f"{group}\n")
+        args = ["--work-dir", str(work), "--corpus", str(tmp_path / "c")]
+        assert main(["corpus", "pause", *args]) == 0
+        assert main(["corpus", "stop", *args]) == 0  # SIGTERM reaches it although it was stopped
+        assert f"stopped process group {group}" in capsys.readouterr().err
+        with pytest.raises(ProcessLookupError):  # already gone when `stop` returned
+            os.killpg(group, 0)
+        assert main(["corpus", "stop", *args]) == 1
+        assert "no regeneration runs in" in capsys.readouterr().err
+    finally:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
