@@ -158,7 +158,8 @@ def _regenerate(args, corpus: Path, work: Path) -> int:
         raise ValueError(f"a regeneration already runs in {work} (process group {_running(work)}): "
                          f"`flashdraft corpus status --target {args.target}`")
     _import(args, corpus, work)
-    command = [sys.executable, "-m", "flashdraft.cli", *regeneration_arguments(args.target, work, num_prompts(args))]
+    command = [sys.executable, "-m", "flashdraft.cli", *regeneration_arguments(args.target, work, num_prompts(args),
+                                                                            args.threads)]
     # One thread sleeps when idle: the regeneration shares the machine with whatever else runs. More threads wait
     # as the command line chooses when it starts (`choose_thread_waiting`: a short spin on an idle machine; asleep,
     # they would wake ~100 times a step, which cost two threads all they gained). The answers in the corpus's own

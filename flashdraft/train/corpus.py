@@ -104,10 +104,11 @@ def prompt_step(target: str) -> int:
     return PROMPT_STEPS.get(target, FIRST_PROMPT_STEP)
 
 
-def regeneration_arguments(target: str, work: Path, num_prompts: int) -> list[str]:
-    """The `flashdraft train` arguments of one corpus regeneration: its records go to `work`/records-regenerate."""
+def regeneration_arguments(target: str, work: Path, num_prompts: int, threads: int = 1) -> list[str]:
+    """The `flashdraft train` arguments of one corpus regeneration on `threads` CPU threads: its records go to
+    `work`/records-regenerate."""
     return ["train", "--target", target, "--until", "labels", "--num-prompts", str(num_prompts),
-            "--labels", "regenerate", "--max-new-tokens", str(REGENERATION_MAX_NEW_TOKENS), "--threads", "1",
+            "--labels", "regenerate", "--max-new-tokens", str(REGENERATION_MAX_NEW_TOKENS), "--threads", str(threads),
             "--work-dir", str(work), "-o", str(work / "out")]
 
 

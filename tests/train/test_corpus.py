@@ -257,3 +257,12 @@ def test_stop_ends_a_paused_regeneration_and_returns_once_it_has(tmp_path, capsy
             os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_the_regeneration_runs_on_the_threads_it_is_given(tmp_path):
+    from flashdraft.train.corpus import regeneration_arguments
+
+    for threads in (1, 2):
+        arguments = regeneration_arguments("smollm2-135m-instruct", tmp_path, 5000, threads)
+        assert arguments[arguments.index("--threads") + 1] == str(threads)
+    assert "--threads" in regeneration_arguments("smollm2-135m-instruct", tmp_path, 5000)
