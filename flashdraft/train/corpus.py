@@ -42,8 +42,9 @@ MANIFEST = "manifest.json"
 # every one of the built-in sources' 19,886 distinct prompts. A new target starts with a step that one machine
 # finishes in a few sessions, so its first draft trains on the whole mix rather than on its shortest prompts (the
 # regeneration answers prompts shortest first).
-# The Qwen corpus answered its first 2,000 prompts on 2026-12-06; 5,000 is its draft issue's target.
-PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 5000}
+# The Qwen corpus answered its first 2,000 prompts on 2026-12-06 and its 5,000 (its draft issue's target) the same
+# day; 10,000 is its next step.
+PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 10000}
 FIRST_PROMPT_STEP = 2000
 REGENERATION_MAX_NEW_TOKENS = 512
 FORMAT = 1
