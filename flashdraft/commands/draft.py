@@ -3,7 +3,7 @@
     average   the weight mean of drafts continued from one another (`flashdraft.train.averaging`), in float32
     ship      a draft folder as the package ships it: bfloat16 weights, model card and training.json carried
     inspect   what a draft folder holds: shape, target layers, block size, drafting vocabulary, how it was trained
-    evaluate  held-out tau, loss and per-position accuracy on the corpus's held-out records
+    evaluate  tau on held-out records and evaluation sets, held-out loss and per-position accuracy
               (`flashdraft.train.from_corpus`)
     export-gguf  the draft as the GGUF file llama.cpp runs (`--spec-type draft-dflash`), written by llama.cpp's own
               converter (`flashdraft.llama_cpp.export_draft_gguf`)
@@ -60,11 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     inspect.add_argument("draft", type=Path, help="draft folder")
     inspect.set_defaults(func=_inspect)
 
-    evaluate = actions.add_parser("evaluate", help="held-out tau, loss and accuracy of drafts on corpus records",
+    evaluate = actions.add_parser("evaluate", help="tau, held-out loss and accuracy of drafts",
                                   description="Measure drafts on the corpus's held-out records: tau at each draft's "
                                   "block size on the first --prompts records' prompts (replayed on the target's "
                                   "greedy answers), and the teacher-forced loss and per-position accuracy on all "
-                                  "of them.")
+                                  "of them; with --sets, tau on built-in evaluation sets' prompts too (outside the "
+                                  "corpus, what the benchmark runs).")
     evaluate.add_argument("drafts", nargs="+", help="draft folders")
     evaluate.add_argument("--heldout-ids", type=Path, required=True,
                           help="file of record ids (one a line), e.g. corpus/TARGET/draws/heldout-v15.txt")
@@ -72,7 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           f"{DEFAULT_TARGET})")
     evaluate.add_argument("--corpus", type=Path, default=None,
                           help="corpus folder (default: corpus/TARGET under the current folder)")
-    evaluate.add_argument("--prompts", type=int, default=32, help="held-out prompts to measure tau on (default: 32)")
+    evaluate.add_argument("--sets", default="heldout",
+                          help="prompt sets to measure tau on, comma separated: heldout (the held-out records' "
+                          "prompts), built-in humaneval, gsm8k, mt-bench, alpaca (their last prompts, apart from "
+                          "the benchmark's samples), or .jsonl files (default: heldout)")
+    evaluate.add_argument("--prompts", type=int, default=32, help="prompts per set to measure tau on (default: 32)")
     evaluate.add_argument("--max-new-tokens", type=int, default=128,
                           help="length of the target's answer to each prompt (default: 128)")
     evaluate.add_argument("--max-length", type=int, default=2048, help="truncate records to this many tokens "
@@ -173,15 +178,23 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    from flashdraft.evaluation.datasets import get_dataset
+
+    sets = [name.strip() for name in args.sets.split(",") if name.strip()]
+    if not sets:
+        raise ValueError("--sets names no prompt set: give e.g. heldout,humaneval")
+    for name in sets:
+        if name != "heldout":
+            get_dataset(name).read()  # an unknown set, a missing package or file fails here, before torch loads
     from flashdraft.train.from_corpus import evaluate_drafts
 
     corpus = args.corpus or Path("corpus") / args.target
     for score in evaluate_drafts(args.drafts, target=args.target, corpus=corpus, heldout_ids=args.heldout_ids,
-                                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=args.device,
-                                 max_length=args.max_length, work_dir=args.work_dir):
+                                 sets=sets, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                                 device=args.device, max_length=args.max_length, work_dir=args.work_dir):
         accuracy = " ".join(f"{a:.3f}" for a in score.heldout_accuracy[:4])
-        print(f"{score.draft}: tau {score.tau:.3f}, held-out loss {score.heldout_loss:.4f}, accuracy {accuracy}",
-              flush=True)
+        taus = ", ".join(f"{name} {value:.3f}" for name, value in score.tau.items())
+        print(f"{score.draft}: tau {taus}; held-out loss {score.heldout_loss:.4f}, accuracy {accuracy}", flush=True)
     return 0
 
 

@@ -4,7 +4,7 @@ GPU machine, where the prompt sets the pipeline builds its data from do not exis
 with the repository).
 
     flashdraft train --corpus corpus/TARGET -o OUT --init-draft DRAFT --heldout-ids HELDOUT.txt --seconds 420
-    flashdraft draft evaluate --heldout-ids HELDOUT.txt DRAFT [DRAFT ...]
+    flashdraft draft evaluate --heldout-ids HELDOUT.txt [--sets heldout,humaneval,gsm8k,mt-bench] DRAFT [DRAFT ...]
 
 `train_from_corpus` reads every corpus record but those of `heldout_ids` (and of `exclude_ids`), runs the trainer
 (`Trainer`, one trainer for both ways in) with online target features, the draft's shape, feature layers and
@@ -17,7 +17,8 @@ fraction of the steps, draft folders in bfloat16; OUT/float32 with the model car
 the records the steps trained on (a later run's `exclude_ids`; `corpus/TARGET/draws/` keeps the shipped drafts'
 lists). `evaluate_drafts` gives, per draft, tau at its block size on the first held-out records' prompts (replayed
 on the target's greedy answers) and the teacher-forced loss and per-position accuracy on all of them: the figures
-`flashdraft train` keeps its best draft by.
+`flashdraft train` keeps its best draft by; and, with `sets`, tau on built-in evaluation sets' prompts (outside the
+corpus: how the draft does on what users ask, where the held-out records share the corpus's sources).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..draft import DFlashDraftModel
+from ..evaluation.datasets import get_dataset
 from ..models import load_target
 from ..rules import resolve_dtype
 from ..text import stop_token_ids
@@ -44,7 +46,7 @@ from .corpus import read_corpus
 from .drafts import save_trained_draft, start_from_draft
 from .features import OnlineFeatures
 from .loss import DraftVocabulary
-from .pipeline import data_counts
+from .pipeline import data_counts, eval_prompt_sets
 from .trainer import Trainer
 
 PROBE_STEPS = 5  # timed after one warm-up step (kernels, allocator)
@@ -203,24 +205,28 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
 
 @dataclass
 class DraftScore:
-    """A draft's figures on the held-out corpus records."""
+    """A draft's figures: tau per prompt set, and on the held-out corpus records."""
 
     draft: str
-    tau: float  # at the draft's block size, on the first held-out records' prompts
+    tau: dict[str, float]  # at the draft's block size, per prompt set (HELDOUT_SET: the first held-out records')
     heldout_loss: float  # teacher-forced, on all held-out records
     heldout_accuracy: list[float]  # per block position 1..B-1
 
 
 def evaluate_drafts(drafts: Sequence[str | Path], *, target: str, corpus: Path, heldout_ids: Path,
-                    prompts: int = 32, max_new_tokens: int = 128, device: str = "auto", max_length: int = 2048,
-                    work_dir: Path | None = None) -> list[DraftScore]:
-    """Held-out tau, loss and accuracy of each draft (the module doc); yields nothing without held-out ids."""
+                    sets: Sequence[str] = (HELDOUT_SET,), prompts: int = 32, max_new_tokens: int = 128,
+                    device: str = "auto", max_length: int = 2048, work_dir: Path | None = None) -> list[DraftScore]:
+    """Tau of each draft on each prompt set (HELDOUT_SET, or a built-in evaluation set such as humaneval: prompts
+    outside the corpus), and its held-out loss and accuracy (the module doc)."""
+    for name in sets:
+        if name != HELDOUT_SET:
+            get_dataset(name)  # an unknown name fails here, before the target loads
     torch_device = _device(device)
     model, tokenizer = load_target(target, device=torch_device, dtype=resolve_dtype("auto", torch_device.type))
     _, heldout = corpus_sequences(corpus, read_ids(heldout_ids), max_length)
     if not heldout:
         raise ValueError("evaluating drafts needs --heldout-ids: the records to measure on")
-    sets = {HELDOUT_SET: [s.input_ids[: s.response_start].tolist() for s in heldout[:prompts]]}
+    prompt_sets = eval_prompt_sets(sets, prompts, tokenizer, heldout)
     scores = []
     with tempfile.TemporaryDirectory(prefix="flashdraft-evaluate-") as scratch:
         for number, folder in enumerate(drafts):
@@ -230,9 +236,8 @@ def evaluate_drafts(drafts: Sequence[str | Path], *, target: str, corpus: Path, 
                               Path(work_dir or scratch) / f"{number}-{Path(folder).name}",
                               TrainConfig(batch_size=1, eval_max_new_tokens=max_new_tokens,
                                           max_steps=1, grad_accum=1),
-                              vocabulary=vocabulary, heldout=heldout, eval_prompts=sets,
+                              vocabulary=vocabulary, heldout=heldout, eval_prompts=prompt_sets,
                               stop_token_ids=stop_token_ids(model, tokenizer), progress=False)
             result = trainer.evaluate()
-            scores.append(DraftScore(str(folder), result["tau"][HELDOUT_SET], result["heldout_loss"],
-                                     result["heldout_accuracy"]))
+            scores.append(DraftScore(str(folder), result["tau"], result["heldout_loss"], result["heldout_accuracy"]))
     return scores

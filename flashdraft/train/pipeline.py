@@ -24,6 +24,7 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -321,17 +322,18 @@ def data_counts(sequences) -> dict:
     return dict(sorted(counts.items()))
 
 
-def eval_prompt_sets(config: PipelineConfig, tokenizer, heldout) -> dict[str, list[list[int]]]:
-    """Token ids of the prompts to measure tau on, per set."""
+def eval_prompt_sets(names: Sequence[str], count: int, tokenizer, heldout) -> dict[str, list[list[int]]]:
+    """Token ids of the prompts to measure tau on, per set: the first `count` held-out records' prompts for
+    HELDOUT_SET, the last `count` prompts of a built-in set or .jsonl file (the benchmark samples its first ones)."""
     from ..evaluation.datasets import get_dataset
     from ..text import encode_chat
 
     sets = {}
-    for name in config.eval_sets:
+    for name in names:
         if name == HELDOUT_SET:
-            sets[name] = [s.input_ids[: s.response_start].tolist() for s in heldout[: config.eval_prompts]]
+            sets[name] = [s.input_ids[: s.response_start].tolist() for s in heldout[:count]]
             continue
-        samples = get_dataset(name).read()[-config.eval_prompts :]
+        samples = get_dataset(name).read()[-count:]
         sets[Path(name).stem if name.endswith(".jsonl") else name] = [
             encode_chat(tokenizer, sample.messages([])) for sample in samples
         ]
@@ -478,7 +480,7 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
         _say(f"drafting vocabulary{source}: {len(vocabulary)} tokens cover {coverage:.1%} of the training labels")
     trainer = Trainer(
         draft, model, sequences, features, run_dir, train_config, vocabulary=vocabulary,
-        heldout=heldout, eval_prompts=eval_prompt_sets(config, tokenizer, heldout),
+        heldout=heldout, eval_prompts=eval_prompt_sets(config.eval_sets, config.eval_prompts, tokenizer, heldout),
         stop_token_ids=stop_token_ids(model, tokenizer), distributed=dist,
     )
     if dist.is_main:  # the run in this folder is now this command's: a later command must match it to resume it

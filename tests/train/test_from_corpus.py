@@ -90,9 +90,24 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     assert main(["draft", "evaluate", *common, "--prompts", "2", "--max-new-tokens", "8", str(start),
                  str(tmp_path / "out" / "final")]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2 and lines[0].startswith(f"{start}: tau ") and "held-out loss" in lines[1]
+    assert len(lines) == 2 and lines[0].startswith(f"{start}: tau heldout ") and "held-out loss" in lines[1]
     losses = [float(line.split("held-out loss ")[1].split(",")[0]) for line in lines]
     assert losses[1] < losses[0]  # training on the pattern lowers the loss on held-out records of the same pattern
+    heldout_taus = [float(line.split("tau heldout ")[1].split(";")[0]) for line in lines]
+    assert all(1.0 <= t <= 4.0 for t in heldout_taus)  # tau counts the bonus token: 1..block size
+
+    # Prompts outside the corpus (a .jsonl set beside the held-out one): each set gets its own tau, and the held-out
+    # figures are those of the run without it.
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("".join(json.dumps({"prompt": f"tell me {word}"}) + "\n" for word in ("a", "b", "c")))
+    assert main(["draft", "evaluate", *common, "--prompts", "2", "--max-new-tokens", "8", "--sets",
+                 f"heldout,{outside}", str(start), str(tmp_path / "out" / "final")]) == 0
+    again = capsys.readouterr().out.strip().splitlines()
+    for line, before, tau in zip(again, lines, heldout_taus):
+        assert re.fullmatch(rf"\S+: tau heldout {tau:.3f}, outside \d\.\d{{3}}; held-out loss .*", line), line
+        assert line.split("; ")[1] == before.split("; ")[1]
+    assert main(["draft", "evaluate", *common, "--sets", "heldout,nonesuch", str(start)]) == 2
+    assert "unknown dataset 'nonesuch'" in capsys.readouterr().err
 
     excluded = tmp_path / "seen.txt"
     excluded.write_text("\n".join(f"pattern:{i}" for i in range(10)) + "\n")  # 8 of them training records
