@@ -95,6 +95,28 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert cached_costs(target, proposer, 8) == (costs, draft_seconds)  # read back, not measured again
 
 
+def test_the_draft_pass_is_timed_as_a_round_runs_it_after_its_context_is_read(monkeypatch):
+    """A round's draft pass reads the few features the last round verified, not the whole context: the timed pass
+    comes after an untimed one over the context, with ROUND_CONTEXT new positions right before the anchor."""
+    from flashdraft import adaptive
+
+    target = TargetModel(tiny_target())
+    proposer = DFlashProposer(tiny_draft(target.model, block_size=8), target)
+    calls, clock = [], {"now": 0.0}
+    real_propose = proposer.propose
+
+    def propose(anchor, context, start, block_size, size, params, generator):
+        calls.append((context.shape[1], start))
+        clock["now"] += context.shape[1]  # a pass's "seconds": the context positions it reads
+        return real_propose(anchor, context, start, block_size, size, params, generator)
+
+    proposer.propose = propose
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
+    seconds = adaptive.measure_draft_seconds(proposer, target, 8, context_length=40, repeats=3)
+    assert calls == [(40, 40), (adaptive.ROUND_CONTEXT, 40 + adaptive.ROUND_CONTEXT)] * 4
+    assert seconds == adaptive.ROUND_CONTEXT  # only the round's pass was timed
+
+
 def test_a_measurement_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(tmp_path, monkeypatch):
     from flashdraft import adaptive, files
 
