@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                 "stop_token_ids": list(settings.stop_token_ids)}
     if peer is not None:
         options["llama_cpp"] = peer.describe()
-    paths = write_report(args.output_dir, summaries, records, options, device, shlex.join(sys.argv))
+    paths = write_report(args.output_dir, summaries, records, options, device, invoked_command())
     print(markdown_table(summaries))
     for kind, path in paths.items():
         print(f"{kind}: {path}")
@@ -267,9 +267,15 @@ def run_replay(args: argparse.Namespace) -> int:
     table = markdown_replay_table(summaries)
     paths = {"json": args.output_dir / "replay.json", "markdown": args.output_dir / "replay.md"}
     paths["json"].write_text(json.dumps(
-        {"command": shlex.join(sys.argv), "summaries": [asdict(s) for s in summaries], "records": records}) + "\n")
-    paths["markdown"].write_text(f"`{shlex.join(sys.argv)}`\n\n{table}\n")
+        {"command": invoked_command(), "summaries": [asdict(s) for s in summaries], "records": records}) + "\n")
+    paths["markdown"].write_text(f"`{invoked_command()}`\n\n{table}\n")
     print(table)
     for kind, path in paths.items():  # as the timed run lists its outputs
         print(f"{kind}: {path}")
     return 0
+
+
+def invoked_command() -> str:
+    """The command line as the user would type it again: `flashdraft ...`, not the launcher's absolute path (a
+    results file travels to other machines and into the repository's notes)."""
+    return shlex.join(["flashdraft", *sys.argv[1:]])
