@@ -39,7 +39,7 @@ class Timed:
     """Wraps a callable and sums the seconds its calls take."""
 
     def __init__(self, function):
-        self.function, self.seconds, self.calls = function, 0.0, 0
+        self.function, self.seconds = function, 0.0
 
     def __call__(self, *args, **kwargs):
         began = time.perf_counter()
@@ -47,7 +47,6 @@ class Timed:
             return self.function(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - began
-            self.calls += 1
 
 
 def main() -> None:
@@ -81,12 +80,14 @@ def main() -> None:
                     verify=forward.seconds - result.prefill_seconds, propose=propose.seconds, tau=result.tau)
 
     block = draft.block_size
-    run(prompts[0], 1), run(prompts[0], block)  # warm-up (and the cost measurements "auto" would cache)
+    for size in (1, block):  # warm-up
+        run(prompts[0], size)
     rows = {"plain": [], "draft": []}
     identical = 0
     for ids in prompts:
         plain, drafted = run(ids, 1), run(ids, block)
-        rows["plain"].append(plain), rows["draft"].append(drafted)
+        rows["plain"].append(plain)
+        rows["draft"].append(drafted)
         identical += plain["tokens"] == drafted["tokens"]
 
     def per_round(rs, key):

@@ -178,14 +178,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from flashdraft.evaluation.datasets import get_dataset
+    from flashdraft.train.config import check_prompt_sets
 
     sets = [name.strip() for name in args.sets.split(",") if name.strip()]
     if not sets:
         raise ValueError("--sets names no prompt set: give e.g. heldout,humaneval")
-    for name in sets:
-        if name != "heldout":
-            get_dataset(name).read()  # an unknown set, a missing package or file fails here, before torch loads
+    check_prompt_sets(sets)  # before torch loads
     from flashdraft.train.from_corpus import evaluate_drafts
 
     corpus = args.corpus or Path("corpus") / args.target

@@ -26,6 +26,16 @@ LABEL_KINDS = ("regenerate", "teacher-forced")
 LOSS_WEIGHTINGS = ("decay", "acceptance")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 HELDOUT_SET = "heldout"
+
+
+def check_prompt_sets(names) -> None:
+    """Fail, naming the problem, on a prompt set to measure tau on that cannot be read (an unknown name, a missing
+    data package or .jsonl file), before anything slow runs; HELDOUT_SET is the corpus's own."""
+    from ..evaluation.datasets import get_dataset
+
+    for name in names:
+        if name != HELDOUT_SET:
+            get_dataset(name).read()
 # The help groups of `flashdraft train`, in order; a field's `group` opens one (see `option_groups`).
 OPTION_GROUPS = ("target and draft", "prompts", "target-written data", "features", "training", "evaluation", "seeds")
 

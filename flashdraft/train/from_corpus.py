@@ -35,13 +35,12 @@ from pathlib import Path
 import torch
 
 from ..draft import DFlashDraftModel
-from ..evaluation.datasets import get_dataset
 from ..models import load_target
 from ..rules import resolve_dtype
 from ..text import stop_token_ids
 from .averaging import average_drafts
 from .blocks import TrainingSequence
-from .config import HELDOUT_SET, PipelineConfig, TrainConfig, exact_command
+from .config import HELDOUT_SET, PipelineConfig, TrainConfig, check_prompt_sets, exact_command
 from .corpus import read_corpus
 from .drafts import save_trained_draft, start_from_draft
 from .features import OnlineFeatures
@@ -218,9 +217,7 @@ def evaluate_drafts(drafts: Sequence[str | Path], *, target: str, corpus: Path, 
                     device: str = "auto", max_length: int = 2048, work_dir: Path | None = None) -> list[DraftScore]:
     """Tau of each draft on each prompt set (HELDOUT_SET, or a built-in evaluation set such as humaneval: prompts
     outside the corpus), and its held-out loss and accuracy (the module doc)."""
-    for name in sets:
-        if name != HELDOUT_SET:
-            get_dataset(name)  # an unknown name fails here, before the target loads
+    check_prompt_sets(sets)  # before the target loads
     torch_device = _device(device)
     model, tokenizer = load_target(target, device=torch_device, dtype=resolve_dtype("auto", torch_device.type))
     _, heldout = corpus_sequences(corpus, read_ids(heldout_ids), max_length)
