@@ -117,6 +117,8 @@ class DFlashProposer:
         # The draft's pass on the target's engine where it runs there, else the module with the engine's kernels.
         self.forward = target.draft_forward(draft)
         self.on_engine = isinstance(self.forward, DraftEngine)
+        if self.on_engine:
+            self.forward.prepare(self.head, target.embed_tokens)
         self.dtype = draft.dtype  # a draft may run in another precision than its target
         self.proposed = False  # whether a round's proposals await `observe`
 

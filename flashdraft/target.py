@@ -281,8 +281,9 @@ class TargetModel:
             return head
         # Kept on the model for the next generate with the same draft: made again, the rows and their packed form
         # (`DraftEngine`) cost a tenth of a second a call.
+        engine = self.engine  # first: building the engine may move the head's weight
         key = (head.weight.data_ptr(), head.weight._version, token_ids.data_ptr(), token_ids._version,
-               len(token_ids), self.engine)
+               len(token_ids), engine)
         kept = getattr(self.model, _KEPT_HEAD_ROWS, None)
         if kept is not None and kept[0] == key:
             return kept[1]

@@ -693,6 +693,43 @@ def test_a_drafts_head_rows_and_their_packed_form_are_kept_for_the_next_generate
     assert second._packed_head(doubled) is packed  # a new pass of the same draft reuses the head's packed form
 
 
+def test_the_head_rows_are_kept_when_building_the_engine_moves_the_heads_weight():
+    model = tiny_target("llama", hidden_size=64)
+    head = model.get_output_embeddings()
+    with torch.no_grad():  # off a cache line, as a checkpoint may load it: the engine moves it (`_aligned`)
+        head.weight.data = torch.empty(head.weight.numel() + 1)[1:].view_as(head.weight).copy_(head.weight)
+    before = head.weight.data_ptr()
+    target = TargetModel(model, engine="flashdraft")  # its engine is built on first use, inside `head_rows`
+    ids = torch.arange(0, 96, 2)
+    rows = target.head_rows(ids)
+    assert head.weight.data_ptr() != before
+    assert target.head_rows(ids) is rows
+
+
+def test_a_proposer_makes_its_drafts_weights_before_the_first_round(monkeypatch):
+    if not native.available():
+        pytest.skip(f"native kernel: {native.unavailable_reason()}")
+    from flashdraft import quantized
+    from flashdraft.proposals import DFlashProposer
+
+    model = tiny_target("qwen3", hidden_size=128, heads=2, kv_heads=1)
+    target = TargetModel(model, engine="flashdraft")
+    draft = shaken_draft(model, block_size=4).to(torch.bfloat16).float()
+    proposer = DFlashProposer(draft, target)
+    proposer.begin(64)
+    assert isinstance(proposer.forward, DraftEngine) and proposer.forward._whole is not None
+
+    def packing(*args, **kwargs):
+        raise AssertionError("packed inside a round")
+
+    for module, name in ((quantized, "q8_blocks"), (native, "pack_draft"), (native, "pack_layer"),
+                         (native, "pack_bfloat16")):
+        monkeypatch.setattr(module, name, packing)
+    context = torch.randn(1, 6, len(draft.target_layer_ids) * 128, generator=torch.Generator().manual_seed(4))
+    tokens, q = proposer.propose(torch.tensor([3]), context, 6, 4)
+    assert q is None and tokens.shape == (3,)
+
+
 def test_interleaved_seconds_runs_every_work_in_changing_company():
     """Each work runs once a turn plus a warm-up turn, and not always after the same work: a rotation would keep
     each predecessor, and a work that always follows one that evicts its data would always be timed cold."""

@@ -144,6 +144,31 @@ class DraftEngine:
         multiply = quantized.block_gemm if packed.format == "blocks" else native.bf16_dot_gemm
         return multiply(hidden, packed, parallel)
 
+    def prepare(self, head: nn.Linear, embedding: nn.Module) -> None:
+        """Make the pass's weights now (the draft's 8-bit copies, its head's, the single call's), not in the first
+        round: a 0.5B target's draft takes ~0.7 s, which the first `generate` would count in its decode time."""
+        self._weights()
+        self._packed_head(head)
+        self._whole_weights(head, embedding)
+
+    def _whole_weights(self, head: nn.Linear, embedding: nn.Module) -> native.DraftWeights | None:
+        """The weights of `block`'s single native call (made again when any of them changes), or None where the
+        pass cannot run so: layers not all 8-bit, a head or an embedding of another kind."""
+        self._weights()
+        if (self.native_layers is None or not (self.use_native_layers and self.use_whole_pass)
+                or type(embedding) is not nn.Embedding or embedding.weight.dtype != torch.float32
+                or id(self.fc) not in self.int8):
+            return None
+        head_weight = self._packed_head(head)
+        if head_weight is None or head_weight.format != "blocks":
+            return None
+        made_from = (self._made_from, getattr(head, _KEPT_HEAD)[0], embedding.weight.data_ptr(),
+                     embedding.weight._version)
+        if self._whole is None or self._whole[0] != made_from:
+            self._whole = made_from, native.pack_draft(self.native_layers, self.int8[id(self.fc)], self.hidden_norm,
+                                                       self.norm, head_weight, embedding.weight.detach())
+        return self._whole[1]
+
     @torch.no_grad()
     def block(self, block_ids: list[int], features: torch.Tensor, first_position: int, cache: DraftCache,
               head: nn.Linear, embedding: nn.Module, rows: slice,
@@ -155,19 +180,9 @@ class DraftEngine:
         8-bit, a head or an embedding of another kind), and `__call__` with `logits` must. The same result, bit
         for bit, as that pair: the same kernels in the same order, without the ~15 torch operators around the
         layers (a quarter of the pass once the target's step has evicted them from the caches)."""
-        self._weights()
-        if (self.native_layers is None or not (self.use_native_layers and self.use_whole_pass)
-                or type(embedding) is not nn.Embedding
-                or embedding.weight.dtype != torch.float32 or features.shape[0] != 1 or id(self.fc) not in self.int8):
+        whole = self._whole_weights(head, embedding)
+        if whole is None or features.shape[0] != 1:
             return None
-        head_weight = self._packed_head(head)
-        if head_weight is None or head_weight.format != "blocks":
-            return None
-        made_from = (self._made_from, getattr(head, _KEPT_HEAD)[0], embedding.weight.data_ptr(),
-                     embedding.weight._version)
-        if self._whole is None or self._whole[0] != made_from:
-            self._whole = made_from, native.pack_draft(self.native_layers, self.int8[id(self.fc)], self.hidden_norm,
-                                                       self.norm, head_weight, embedding.weight.detach())
         block, width = len(block_ids), features.shape[1]
         end = first_position + width + block
         cos, sin = self.rotary(end)
@@ -179,7 +194,7 @@ class DraftEngine:
         first, stop = rows.indices(block)[:2]
         parallel |= (32 if kernels.product("down", width) is _native_parallel else 0) | (
             64 if kernels.product("head", stop - first) is _native_parallel else 0)
-        return native.unchecked_draft_block(self._whole[1], [k[0] for k in cache.keys], [v[0] for v in cache.values],
+        return native.unchecked_draft_block(whole, [k[0] for k in cache.keys], [v[0] for v in cache.values],
                                             block_ids, features[0].contiguous(), cos[first_position:end],
                                             sin[first_position:end], start, self.eps, first, stop - first, vocab_ids,
                                             parallel)

@@ -252,6 +252,7 @@ class PipelineConfig(TrainConfig):
             self.sources = () if none else _comma_list(self.sources)
         self.proportions = _parse_proportions(self.proportions)
         self.eval_sets = _comma_list(self.eval_sets)
+        check_prompt_sets(self.eval_sets)
         for item in fields(self):
             choices = item.metadata.get("choices")
             if choices and getattr(self, item.name) not in choices:

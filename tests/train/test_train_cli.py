@@ -198,6 +198,8 @@ def test_bad_input_is_reported_before_any_work(target_folder, tmp_path, capsys):
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     err = run_failing(train_args(target_folder, tmp_path) + ["-o", str(tmp_path / "taken")], capsys)
     assert "not a draft folder" in err
+    err = run_failing(train_args(target_folder, tmp_path, "--eval-sets", "heldout,mt-bench2"), capsys)
+    assert "unknown dataset 'mt-bench2'" in err
     assert not (tmp_path / "work" / "records-regenerate").exists()  # none of these started the data stages
 
 
@@ -280,7 +282,8 @@ def test_a_config_parses_the_command_line_text_forms_and_refuses_bad_settings_wh
            "proportions": ("math", "--proportions takes name=weight pairs"),
            "sources": ("math,poetry", "unknown prompt sources ['poetry']"),
            "distill_weight": (0.5, "add --store-top-k K"),
-           "grad_accum": (0, "grad_accum must be a positive integer")}
+           "grad_accum": (0, "grad_accum must be a positive integer"),
+           "eval_sets": ("heldout,made-up", "unknown dataset 'made-up'")}
     for name, (value, message) in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             PipelineConfig(output=tmp_path / "d", **{name: value})
