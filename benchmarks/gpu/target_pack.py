@@ -17,8 +17,17 @@ training exact:
   vocabulary of `--keep-tokens-of DRAFT` and the tokenizer's special tokens are zeros. Training embeds only the
   corpus's tokens and scores only the drafting vocabulary's head rows.
 
-Such a folder is for training drafts only: it does not generate as the target does. `unpack` checks every part's
-checksum, so a damaged or missing part is named rather than loaded.
+Such a folder is for training drafts only: it does not generate as the target does. `--draft DIR` adds a draft
+folder to the stream (its tensors as the target's, its other files as they are), for a run that continues a draft
+which cannot travel with the repository (Qwen2.5-Coder-0.5B's is 68 MB, more than a call takes): `unpack
+--draft-out DIR` writes it back, every tensor bit for bit. `unpack` checks every part's checksum, so a damaged or
+missing part is named rather than loaded.
+
+    python benchmarks/gpu/target_pack.py pack OUT --target qwen2.5-coder-0.5b-instruct \
+        --feature-layers 1,6,11,16,21 --keep-tokens corpus/qwen2.5-coder-0.5b-instruct \
+        --keep-tokens-of flashdraft/drafts/qwen2.5-coder-0.5b-instruct \
+        --draft flashdraft/drafts/qwen2.5-coder-0.5b-instruct --part-mb 45,60,60,60,60,60,60,60,60,60
+    python benchmarks/gpu/target_pack.py unpack OUT TARGET_FOLDER --draft-out DRAFT_FOLDER
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from safetensors.torch import load_file, save_file
 MANIFEST = "pack.json"
 WEIGHTS = "model.safetensors"
 LAYER_PREFIX = "model.layers."
+DRAFT_PREFIX = "draft:"  # a travelling draft's tensors, in the stream after the target's
 
 
 def _sha256(data: bytes) -> str:
@@ -72,7 +82,8 @@ def kept_token_ids(corpus: Path, drafts: list[Path], tokenizer_folder: Path, voc
     return keep
 
 
-def pack(args) -> None:
+def _add_target(args, add) -> tuple[dict[str, str], dict]:
+    """The target's tensors through `add` (cut as the options say); returns its text files and what was cut."""
     source = _source_folder(args.target)
     config = json.loads((source / "config.json").read_text())
     state = load_file(source / WEIGHTS)
@@ -82,12 +93,10 @@ def pack(args) -> None:
         keep_layers = max(int(i) for i in args.feature_layers.split(",")) + 1
         if keep_layers > num_layers:
             raise SystemExit(f"--feature-layers reads layer {keep_layers - 1}; the target has {num_layers} layers")
-    keep_rows = None
+    keep_rows, zeroed_rows = None, 0
     if args.keep_tokens:
         vocab_size = state["model.embed_tokens.weight"].shape[0]
         keep_rows = torch.from_numpy(kept_token_ids(args.keep_tokens, args.keep_tokens_of, source, vocab_size))
-
-    names, high, low, zeroed_rows = [], [], [], 0
     for name in sorted(state):
         tensor = state[name].to(torch.bfloat16)
         if name.startswith(LAYER_PREFIX) and int(name[len(LAYER_PREFIX):].split(".")[0]) >= keep_layers:
@@ -95,13 +104,34 @@ def pack(args) -> None:
         if keep_rows is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
             tensor = tensor * keep_rows[:, None].to(tensor.dtype)
             zeroed_rows = int((~keep_rows).sum())
+        add(name, tensor)
+    files = {path.name: path.read_text() for path in sorted(source.iterdir())
+             if path.is_file() and path.suffix in (".json", ".jinja")}  # config, tokenizer, chat template
+    return files, {"source": str(source), "layers_kept": keep_layers, "layers": num_layers, "rows_zeroed": zeroed_rows}
+
+
+def pack(args) -> None:
+    if args.target is None and args.draft is None:
+        raise SystemExit("nothing to pack: give --target (a registry name or model folder) and/or --draft")
+    names, high, low = [], [], []
+
+    def add(name: str, tensor: torch.Tensor) -> None:
         planes = tensor.contiguous().view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
         low.append(planes[:, 0].tobytes())
         high.append(planes[:, 1].tobytes())
         names.append({"name": name, "shape": list(tensor.shape)})
-    files = {path.name: path.read_text() for path in sorted(source.iterdir())
-             if path.is_file() and path.suffix in (".json", ".jinja")}  # config, tokenizer, chat template
-    header = json.dumps(files).encode()
+
+    files, described = None, None
+    if args.target is not None:
+        files, described = _add_target(args, add)
+    draft_files, draft_metadata = None, None
+    if args.draft:
+        draft_state, draft_metadata = _draft_tensors(args.draft)
+        for name in sorted(draft_state):
+            add(DRAFT_PREFIX + name, draft_state[name])
+        draft_files = {path.name: path.read_text() for path in sorted(args.draft.iterdir())
+                       if path.is_file() and path.name != WEIGHTS}
+    header = json.dumps({"target": files, "draft": draft_files}).encode()
     stream = lzma.compress(header + b"".join(high) + b"".join(low), preset=args.preset)
 
     out = Path(args.folder)
@@ -118,12 +148,34 @@ def pack(args) -> None:
         (out / f"part-{number:02d}").write_bytes(data)
         parts.append({"file": f"part-{number:02d}", "bytes": len(data), "sha256": _sha256(data)})
         start += size
-    manifest = {"tensors": names, "parts": parts, "files_bytes": len(header), "layers_kept": keep_layers,
-                "rows_zeroed": zeroed_rows, "source": str(source)}
+    manifest = {"tensors": names, "parts": parts, "files_bytes": len(header), "target": described,
+                "draft": None if args.draft is None else {"source": str(args.draft), "metadata": draft_metadata}}
     (out / MANIFEST).write_text(json.dumps(manifest) + "\n")
     part_sizes = ", ".join(f"{part['bytes'] / 1e6:.1f}" for part in parts)
-    print(f"{len(stream) / 1e6:.1f} MB in {len(parts)} parts ({part_sizes} MB); layers kept {keep_layers} of "
-          f"{num_layers}; embedding rows zeroed {zeroed_rows}")
+    what = []
+    if described is not None:
+        what.append(f"the target {described['source']}: layers kept {described['layers_kept']} of "
+                    f"{described['layers']}, embedding rows zeroed {described['rows_zeroed']}")
+    if args.draft is not None:
+        what.append(f"the draft {args.draft}")
+    print(f"{len(stream) / 1e6:.1f} MB in {len(parts)} parts ({part_sizes} MB); " + "; ".join(what))
+
+
+def _draft_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """A draft folder's tensors, which travel as bfloat16 planes: refused unless they are bfloat16 already (a shipped
+    draft), so that they arrive bit for bit."""
+    from safetensors import safe_open
+
+    path = folder / WEIGHTS
+    if not path.is_file():
+        raise SystemExit(f"--draft {folder}: no {WEIGHTS} there; give a draft folder (e.g. flashdraft/drafts/TARGET)")
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata()
+    state = load_file(path)
+    other = sorted(name for name, tensor in state.items() if tensor.dtype != torch.bfloat16)
+    if other:
+        raise SystemExit(f"--draft {folder}: tensors {other[:3]} are not bfloat16; pack a shipped (bfloat16) draft")
+    return state, metadata
 
 
 def unpack(args) -> None:
@@ -138,6 +190,11 @@ def unpack(args) -> None:
         if _sha256(data) != part["sha256"]:
             raise SystemExit(f"{path} does not match its checksum: send it again")
         chunks.append(data)
+    described, draft = manifest["target"], manifest["draft"]
+    if described is not None and args.target is None:
+        raise SystemExit(f"{folder} holds the target {described['source']}: give the folder to write it to")
+    if draft is not None and args.draft_out is None:
+        raise SystemExit(f"{folder} holds the draft {draft['source']}: give --draft-out DIR to write it")
     stream = lzma.decompress(b"".join(chunks))
     start = manifest["files_bytes"]
     files = json.loads(stream[:start])
@@ -154,14 +211,22 @@ def unpack(args) -> None:
         state[tensor["name"]] = torch.from_numpy(planes.copy().view(np.int16)).view(torch.bfloat16).reshape(
             tensor["shape"])
         at += count
-    target = Path(args.target)
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
+    draft_state = {name[len(DRAFT_PREFIX):]: state.pop(name) for name in list(state) if name.startswith(DRAFT_PREFIX)}
+    if described is not None:
+        _write_folder(Path(args.target), files["target"], state, {"format": "pt"})
+        print(f"{args.target}: {len(state)} tensors, layers kept {described['layers_kept']}, "
+              f"embedding rows zeroed {described['rows_zeroed']}")
+    if draft is not None:
+        _write_folder(Path(args.draft_out), files["draft"], draft_state, draft["metadata"])
+        print(f"{args.draft_out}: the draft {draft['source']}, {len(draft_state)} tensors")
+
+
+def _write_folder(folder: Path, files: dict[str, str], state: dict[str, torch.Tensor], metadata) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     for name, text in files.items():
-        (target / name).write_text(text)
-    save_file(state, target / WEIGHTS, metadata={"format": "pt"})
-    print(f"{target}: {len(state)} tensors, layers kept {manifest['layers_kept']}, "
-          f"embedding rows zeroed {manifest['rows_zeroed']}")
+        (folder / name).write_text(text)
+    save_file(state, folder / WEIGHTS, metadata=metadata)
 
 
 def main() -> None:
@@ -169,17 +234,19 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="write the parts and pack.json into FOLDER")
     p.add_argument("folder")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
+    p.add_argument("--target", help="registry name or model folder (or none: a draft alone, --draft)")
     p.add_argument("--feature-layers", help="zero the layers after the last of these (comma list)")
     p.add_argument("--keep-tokens", type=Path, help="corpus folder: zero the embedding rows of tokens not in it")
     p.add_argument("--keep-tokens-of", type=Path, action="append", default=[],
                    help="draft folder whose drafting vocabulary and mask token keep their rows (repeatable)")
+    p.add_argument("--draft", type=Path, help="a (bfloat16) draft folder to send along, e.g. the draft to continue")
     p.add_argument("--part-mb", default="40,40,40,40,40,40,40", help="sizes of the parts in MB, comma list")
     p.add_argument("--preset", type=int, default=6, help="lzma preset, 0-9")
     p.set_defaults(run=pack)
     u = sub.add_parser("unpack", help="rebuild a model folder from FOLDER's parts")
     u.add_argument("folder")
-    u.add_argument("target")
+    u.add_argument("target", nargs="?", help="where to write the target, when the parts hold one")
+    u.add_argument("--draft-out", help="where to write the draft, when the parts hold one")
     u.set_defaults(run=unpack)
     args = parser.parse_args()
     args.run(args)
