@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+# In a target folder made for draft training only (benchmarks/gpu/target_pack.py): what was cut from it.
+TRAINING_ONLY = "flashdraft-training-only.txt"
 
 # Seconds to wait for the hub's host before calling it unreachable. Unreachable, the hub client itself retries for
 # about 30 s before failing; a reachable host answers well within this.
@@ -233,7 +236,11 @@ def load_target(
             remember_finite(Path(source))
     tokenizer = _from_pretrained(AutoTokenizer, source, "target", extra_help=registry_help)
     model = model.to(device).eval()
-    if name_or_path not in REGISTRY and Path(source).expanduser().is_dir():  # the registry's have checksums
+    folder = Path(source).expanduser()
+    if name_or_path not in REGISTRY and (folder / TRAINING_ONLY).is_file():
+        print(f"{source} was packed for draft training only ({(folder / TRAINING_ONLY).read_text().strip()}): the "
+              "check of its text predictions is skipped; it does not generate as the target does", file=sys.stderr)
+    elif name_or_path not in REGISTRY and folder.is_dir():  # the registry's have checksums
         check_target_loss(text_loss(model, tokenizer), model.config.get_text_config().vocab_size, source,
                           _reference_loss(model.config))
     from flashdraft.target import TargetModel, remember_engine

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from flashdraft.models import TRAINING_ONLY
+
 MANIFEST = "pack.json"
 WEIGHTS = "model.safetensors"
 LAYER_PREFIX = "model.layers."
@@ -214,6 +216,10 @@ def unpack(args) -> None:
     draft_state = {name[len(DRAFT_PREFIX):]: state.pop(name) for name in list(state) if name.startswith(DRAFT_PREFIX)}
     if described is not None:
         _write_folder(Path(args.target), files["target"], state, {"format": "pt"})
+        # Loading it skips the check that it predicts text as the target does (it cannot: layers and rows are cut).
+        (Path(args.target) / TRAINING_ONLY).write_text(
+            f"layers after {described['layers_kept'] - 1} and {described['rows_zeroed']} embedding rows zeroed, by "
+            f"benchmarks/gpu/target_pack.py from {described['source']}\n")
         print(f"{args.target}: {len(state)} tensors, layers kept {described['layers_kept']}, "
               f"embedding rows zeroed {described['rows_zeroed']}")
     if draft is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A device call carries the working tree, 64 MiB at most; the repository's tracked files are more since the Qwen
 # draft (97 MB, 68 MB of it that draft's weights). Before the calls, `away` takes tracked paths the calls do not
-# need out of the tree and the index (into a stash outside the repository); after them, `back` restores both.
+# need out of the tree and the index (into a stash outside the checkout); after them, `back` restores both.
 # Nothing is committed either way, and `away` refuses while an earlier `away` waits for its `back`.
 #   bash benchmarks/gpu/tree.sh size              # MB a call would carry now (without its carried paths)
 #   bash benchmarks/gpu/tree.sh away PATH...      # e.g. flashdraft/drafts/qwen2.5-coder-0.5b-instruct
@@ -9,7 +9,7 @@
 set -euo pipefail
 usage="usage: bash benchmarks/gpu/tree.sh size | away PATH... | back"
 cd "$(dirname "$0")/../.."
-stash="${FLASHDRAFT_HOME:-$HOME/.cache/flashdraft}/tree-away"
+stash="$HOME/.flashdraft-tree-away$PWD"  # this checkout's, outside it (a call never carries it)
 size() {
     git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' path; do
         [ -f "$path" ] && printf '%s\0' "$path"
