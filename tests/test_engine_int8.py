@@ -87,6 +87,26 @@ def test_a_target_with_gguf_blocks_runs_int8_and_each_token_of_a_block_is_its_on
     assert ((block[0] - expected).norm() / expected.norm()) < 0.05  # llama.cpp's rounding of the activations
 
 
+def test_the_blocks_made_on_several_threads_are_the_blocks_made_on_one(tmp_path):
+    model, _ = load_target(str(gguf_target(tmp_path)))
+    threads = torch.get_num_threads()
+    engines = []
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            engines.append(TargetModel(model, engine="flashdraft").engine.__class__(model))
+    finally:
+        torch.set_num_threads(threads)
+    one, several = engines
+    pairs = [(one.blocks[id(w)], several.blocks[id(v)]) for w, v in zip(one._weights(), several._weights())]
+    assert len(pairs) == 2 * 4 + 1
+    for alone, shared in pairs:
+        assert [part.type for part in alone.parts] == [part.type for part in shared.parts]
+        for a, b in zip(alone.parts, shared.parts):
+            assert all((x is None and y is None) or np.array_equal(x, y)
+                       for x, y in ((a.codes, b.codes), (a.high, b.high), (a.scale, b.scale), (a.minimum, b.minimum)))
+
+
 def test_decoding_with_a_draft_gives_plain_int8_decoding_token_for_token(tmp_path):
     model, _ = load_target(str(gguf_target(tmp_path)))
     draft = tiny_draft(model, num_layers=1, block_size=8, mask_token_id=5)
