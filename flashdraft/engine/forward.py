@@ -4,8 +4,8 @@ on GGUF blocks, or float32), and the forward itself, each decoder layer one nati
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
