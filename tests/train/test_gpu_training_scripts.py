@@ -162,3 +162,10 @@ def test_tree_sh_takes_tracked_paths_out_of_what_a_call_carries_and_brings_them_
     untracked = tree("away", "notes.txt")
     assert untracked.returncode == 1 and "notes.txt is not tracked" in untracked.stderr
     assert tree("back").stdout == "tree.sh: nothing is away\n"
+
+
+@pytest.mark.parametrize("name", ["train.sh", "tree.sh", "run.sh"])
+def test_the_machines_shell_scripts_parse(name):
+    """They run only on a lent machine (tree.sh also here): at least each must parse."""
+    checked = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
