@@ -26,7 +26,7 @@ from flashdraft.files import WAITING_VARIABLES, choose_thread_waiting  # noqa: E
 choose_thread_waiting()  # as the CLI does, before torch loads
 import torch  # noqa: E402
 
-from flashdraft.models import load_draft, load_target  # noqa: E402
+from flashdraft.models import load_draft, load_target, shipped_draft  # noqa: E402
 from flashdraft.proposals import DFlashProposer  # noqa: E402
 from flashdraft.sampling import SamplingParams  # noqa: E402
 from flashdraft.target import TargetModel  # noqa: E402
@@ -35,7 +35,7 @@ from flashdraft.target import TargetModel  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
-    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the target's shipped draft)")
     parser.add_argument("--context", type=int, default=200, help="cached positions before the round")
     parser.add_argument("--turns", type=int, default=40, help="timed turns (after 5 warm-ups)")
     parser.add_argument("--warm", action="store_true", help="also time passes back to back, weights in cache")
@@ -50,7 +50,10 @@ def main() -> None:
     target = TargetModel(load_target(args.target)[0])
     if target.engine is None:
         raise SystemExit(f"{args.target} does not run on the CPU engine")
-    draft = load_draft(args.draft)
+    folder = args.draft or shipped_draft(args.target, target.config)
+    if folder is None:
+        raise SystemExit(f"{args.target} has no shipped draft: give --draft FOLDER")
+    draft = load_draft(str(folder))
     proposer = DFlashProposer(draft, target)
     if args.step_by_step and proposer.on_engine:
         proposer.forward.use_native_layers = False
