@@ -36,6 +36,8 @@ def check_prompt_sets(names) -> None:
     for name in names:
         if name != HELDOUT_SET:
             get_dataset(name).read()
+
+
 # The help groups of `flashdraft train`, in order; a field's `group` opens one (see `option_groups`).
 OPTION_GROUPS = ("target and draft", "prompts", "target-written data", "features", "training", "evaluation", "seeds")
 
