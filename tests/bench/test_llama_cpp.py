@@ -232,7 +232,6 @@ def test_export_runs_the_converter_with_its_gguf_py(tmp_path):
     for name in ("draft", "target", "broken"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
-    pytest.importorskip("sentencepiece")
     llama = find_llama_cpp(sources)
     written = export_draft_gguf(tmp_path / "draft", tmp_path / "target", tmp_path / "out" / "d.gguf", llama)
     seen = json.loads(written.read_text())
@@ -247,6 +246,16 @@ def test_export_runs_the_converter_with_its_gguf_py(tmp_path):
         find_llama_cpp(tmp_path / "draft").converter  # noqa: B018
 
 
+def test_export_without_sentencepiece_names_the_extra(tmp_path, monkeypatch):
+    for name in ("draft", "target"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # what an import of an absent package meets
+    with pytest.raises(ValueError, match=r"needs sentencepiece: pip install 'flashdraft\[llama-cpp\]'"):
+        export_draft_gguf(tmp_path / "draft", tmp_path / "target", tmp_path / "d.gguf", None)
+    assert not (tmp_path / "d.gguf").exists()
+
+
 def test_export_gguf_command(tmp_path, capsys):
     from bench.tiny_bench import save_tiny_bench_folders
 
@@ -255,7 +264,6 @@ def test_export_gguf_command(tmp_path, capsys):
     (sources / "gguf-py").mkdir(parents=True)
     (sources / "convert_hf_to_gguf.py").write_text(
         "import sys\nargs = sys.argv[1:]\nopen(args[args.index('--outfile') + 1], 'w').write(' '.join(args))\n")
-    pytest.importorskip("sentencepiece")
     out = tmp_path / "draft.gguf"
     assert main(["draft", "export-gguf", str(tmp_path / "draft"), "--target", str(tmp_path / "target"), "-o",
                  str(out), "--outtype", "q8_0", "--llama-cpp", str(sources)]) == 0
@@ -351,7 +359,6 @@ def test_the_three_llama_cpp_methods_on_the_default_target(tmp_path, smollm2_fol
     folder = _llama_cpp_for_tests()
     if folder is None:
         pytest.skip("llama.cpp is not built: run `flashdraft llama-cpp build` (or set FLASHDRAFT_LLAMA_CPP)")
-    pytest.importorskip("sentencepiece", reason="the draft's conversion needs sentencepiece (flashdraft[llama-cpp])")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "add", "prompt": "Write a Python function that adds two numbers."}) + "\n")
     # the whole command: the draft is converted into the tests' own FLASHDRAFT_HOME, the outputs into tmp_path
