@@ -154,6 +154,8 @@ def test_the_ship_command_records_the_acceptance_check_on_the_written_folder(tmp
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     source = tmp_path / "trained"
     tiny_draft(target, num_layers=2, block_size=4).save_pretrained(source)
+    assert main(["draft", "ship", str(tmp_path / "mistyped"), str(tmp_path / "nowhere")]) == 2
+    assert "mistyped is not a draft folder: it has no config.json" in capsys.readouterr().err
     # Without training.json naming the target, and no --target: refused before anything is written.
     assert main(["draft", "ship", str(source), str(tmp_path / "unnamed")]) == 2
     assert "give --target" in capsys.readouterr().err and not (tmp_path / "unnamed").exists()

@@ -121,8 +121,10 @@ def _average(args: argparse.Namespace) -> int:
 
 
 def _ship(args: argparse.Namespace) -> int:
+    from flashdraft.draft import check_draft_folder
     from flashdraft.train.drafts import ship_draft
 
+    check_draft_folder(args.source)  # a mistyped source is named as such, not as a draft missing its training.json
     target = None
     if not args.no_check:  # before anything is written: a ship that cannot be checked fails first
         target = args.target or _trained_for(args.source)
