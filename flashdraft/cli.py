@@ -65,6 +65,14 @@ def check_device(name: str) -> None:
                            "pick one of those")
 
 
+def _describe(error: Exception) -> str:
+    """The error's message; an OS error raised by Python itself ("[Errno 2] No such file or directory: 'x'") as the
+    path and the problem, the way the library's own errors read."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror.lower()}"
+    return str(error)
+
+
 def main(argv: list[str] | None = None) -> int:
     # How torch's threads wait: spinning briefly on a quiet machine, sleeping at once beside other work
     # (`choose_thread_waiting`). Set by the command line only (a library leaves its user's environment alone), before
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except (CommandError, ValueError, FileNotFoundError) as error:
         # Library errors are written to name the problem and the fix; a traceback would bury that.
-        print(f"flashdraft {args.command}: error: {error}", file=sys.stderr)
+        print(f"flashdraft {args.command}: error: {_describe(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -11,6 +11,8 @@ from flashdraft.cli import build_parser
 from flashdraft.commands.options import device_and_dtype
 from flashdraft.files import SPIN_COUNT, WAITING_VARIABLES
 
+from tiny import tiny_draft, tiny_target
+
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])
 def test_every_command_defaults_to_auto(command):
@@ -93,3 +95,27 @@ def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
     os.close(write)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 141 and b"Traceback" not in err, err.decode()
+
+
+def test_a_missing_file_is_reported_as_its_path_and_the_problem(tmp_path, capsys):
+    from flashdraft.cli import main
+
+    heldout, draft = tmp_path / "heldout.txt", tmp_path / "draft"
+    tiny_draft(tiny_target("qwen3"), num_layers=1, block_size=4).save_pretrained(draft)
+    capsys.readouterr()  # the save's progress bar
+    # Refused before the target is prepared or loaded: the error is the only thing written.
+    assert main(["draft", "evaluate", "--target", "smollm2-135m-instruct", "--heldout-ids", str(heldout),
+                 "--sets", "humaneval", str(draft)]) == 2
+    assert capsys.readouterr().err == f"flashdraft draft: error: {heldout}: no such file or directory\n"
+    assert main(["draft", "evaluate", "--target", "smollm2-135m-instruct", "--heldout-ids", str(heldout),
+                 "--sets", "humaneval", str(tmp_path / "mistyped")]) == 2
+    assert "mistyped is not a draft folder: it has no config.json" in capsys.readouterr().err
+
+
+def test_an_error_with_its_own_message_keeps_it():
+    from flashdraft.cli import _describe
+
+    assert _describe(FileNotFoundError("x is not a draft folder: it has no config.json")) == (
+        "x is not a draft folder: it has no config.json")
+    assert _describe(ValueError("draft expects hidden size 896")) == "draft expects hidden size 896"
+    assert _describe(PermissionError(13, "Permission denied", "/root/x")) == "/root/x: permission denied"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..draft import DFlashDraftModel
+from ..draft import DFlashDraftModel, check_draft_folder
 from ..models import load_target
 from ..rules import resolve_dtype
 from ..text import stop_token_ids
@@ -217,12 +217,14 @@ def evaluate_drafts(drafts: Sequence[str | Path], *, target: str, corpus: Path, 
                     device: str = "auto", max_length: int = 2048, work_dir: Path | None = None) -> list[DraftScore]:
     """Tau of each draft on each prompt set (HELDOUT_SET, or a built-in evaluation set such as humaneval: prompts
     outside the corpus), and its held-out loss and accuracy (the module doc)."""
-    check_prompt_sets(sets)  # before the target loads
-    torch_device = _device(device)
-    model, tokenizer = load_target(target, device=torch_device, dtype=resolve_dtype("auto", torch_device.type))
+    check_prompt_sets(sets)  # this, the drafts' folders and the held-out records before the target loads
+    for folder in drafts:
+        check_draft_folder(Path(folder))
     _, heldout = corpus_sequences(corpus, read_ids(heldout_ids), max_length)
     if not heldout:
         raise ValueError("evaluating drafts needs --heldout-ids: the records to measure on")
+    torch_device = _device(device)
+    model, tokenizer = load_target(target, device=torch_device, dtype=resolve_dtype("auto", torch_device.type))
     prompt_sets = eval_prompt_sets(sets, prompts, tokenizer, heldout)
     scores = []
     with tempfile.TemporaryDirectory(prefix="flashdraft-evaluate-") as scratch:
