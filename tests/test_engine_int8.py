@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import flashdraft
 from flashdraft import native, quantized
+from flashdraft.engine.weights import _layer_products
 from flashdraft.models import load_target
 from flashdraft.target import TargetModel, remember_engine
 
@@ -85,6 +86,20 @@ def test_a_target_with_gguf_blocks_runs_int8_and_each_token_of_a_block_is_its_on
     float32 = TargetModel(load_target(str(tmp_path))[0], engine="transformers")
     expected = float32.model(torch.cat([prompt, step], 1)).logits[0, 20:]
     assert ((block[0] - expected).norm() / expected.norm()) < 0.05  # llama.cpp's rounding of the activations
+
+
+def test_an_int8_engine_leaves_the_float32_weights_where_they_are_and_copies_none(tmp_path):
+    model, _ = load_target(str(gguf_target(tmp_path, "qwen2")))
+    before = {name: parameter.data_ptr() for name, parameter in model.named_parameters()}
+    engine = TargetModel(model).engine
+    assert engine.arithmetic == "int8"
+    assert {name: parameter.data_ptr() for name, parameter in model.named_parameters()} == before
+    # Every product reads its blocks: what stands for its float32 weight holds no memory, and nothing is packed.
+    assert all(w.device.type == "meta" for layer in engine.layers for w in _layer_products(layer))
+    assert engine.head_weight.data_ptr() == model.lm_head.weight.data_ptr() and not engine.forms
+    assert engine.matches(model)
+    model.to(torch.bfloat16)  # moved: this engine no longer runs on the model's weights
+    assert not engine.matches(model)
 
 
 def test_the_blocks_made_on_several_threads_are_the_blocks_made_on_one(tmp_path):
@@ -208,6 +223,13 @@ def test_a_type_without_a_kernel_stays_float32_with_a_note(tmp_path, capsys):
     assert engine.arithmetic == "int8" and len(engine.blocks) == 8
     assert "int8 arithmetic: 1 product(s) stay float32 (blk.1.ffn_up.weight is Q2_K, which has no int8 kernel)" in (
         capsys.readouterr().err)
+    # That product alone gets its float32 weight, gate and up fused (each projection now a view of it).
+    mlp = model.model.layers[1].mlp
+    gate_up = engine.layers[1].gate_up
+    assert gate_up.device.type == "cpu" and id(gate_up) in engine.forms
+    assert torch.equal(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert mlp.up_proj.weight.data_ptr() == gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    assert engine.layers[0].gate_up.device.type == "meta"
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     draft = tiny_draft(model, num_layers=1, mask_token_id=5)
     assert flashdraft.generate(model, draft, prompt, max_new_tokens=24).tokens == (

@@ -38,7 +38,7 @@ from .ops import (
     swiglu,
 )
 from .settings import ARITHMETICS, CHECKED_ROWS, arithmetic_setting
-from .weights import WeightForms, _aligned, _layer_products, _layer_weights
+from .weights import WeightForms, _aligned, _Layer, _layer_products, _layer_weights, _placeholder
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # tables that depend on the position alone
@@ -73,6 +73,14 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _weight_storage(model: nn.Module) -> tuple:
+    """Where a model's weights are (the embedding's, each layer's q and down projections'): moved, e.g. by
+    `model.to(dtype)`, they are no longer what an engine made from them reads."""
+    return model.get_input_embeddings().weight.data_ptr(), tuple(
+        (layer.self_attn.q_proj.weight.data_ptr(), layer.mlp.down_proj.weight.data_ptr())
+        for layer in model.base_model.layers)
+
+
 def _foreign_hooks(module: nn.Module) -> list:
     """A module's forward hooks other than transformers' own (it records hidden states through hooks it leaves
     installed, harmless here)."""
@@ -94,13 +102,23 @@ class Engine:
         self.eps = config.rms_norm_eps
         self.dtype = torch.float32
         base = model.base_model
-        self.head_weight = _aligned(model.get_output_embeddings().weight)
         self.embed = model.get_input_embeddings().weight
         self.norm = base.norm.weight
         self.rotary = RotaryTables(base.rotary_emb, self.head_dim)
-        self.layers = [_layer_weights(layer, self._fuse, self.num_heads, self.kv_heads) for layer in base.layers]
         self.choice = arithmetic or arithmetic_setting()  # what was asked for; `arithmetic` what runs
-        self.arithmetic, self.blocks = self._block_weights(model, self.choice)
+        blocks_file = self._blocks_file(model, self.choice)
+        if blocks_file is None:
+            self.head_weight = _aligned(model.get_output_embeddings().weight)
+            self.layers = [_layer_weights(layer, self._fuse, self.num_heads, self.kv_heads) for layer in base.layers]
+            self.arithmetic, self.blocks = "float32", {}
+        else:
+            # int8 reads the GGUF blocks: the fused and aligned float32 copies (2 GB of Qwen2.5-Coder-0.5B's, and its
+            # float32 weights read from disk to make them) are made only for the products that have no kernel.
+            self.head_weight = model.get_output_embeddings().weight.detach()
+            self.layers = [_layer_weights(layer, lambda linears: _placeholder([m.weight for m in linears]),
+                                          self.num_heads, self.kv_heads, single=lambda p: _placeholder([p]))
+                           for layer in base.layers]
+            self.arithmetic, self.blocks = "int8", self._block_weights(model, blocks_file)
         self.forms = {id(w): WeightForms.of(w) for w in self._weights() if id(w) not in self.blocks}
         self.kernels = KernelChoice({})
         if self.arithmetic == "int8":  # every product on the native kernels, on every thread there is
@@ -115,6 +133,7 @@ class Engine:
                 *(self._native_weight(w) for w in _layer_products(layer)),
                 self.num_heads, self.kv_heads, self.head_dim) for layer in self.layers]
         self.use_native_layers = True  # False: each layer operator by operator, for comparisons
+        self.made_from = _weight_storage(model)  # after `_fuse` and `_aligned` have moved what they move
 
     def _native_weight(self, weight: torch.Tensor):
         """A product's weight as the native layer reads it: its GGUF blocks (int8 arithmetic), else its exactly
@@ -124,35 +143,41 @@ class Engine:
         packed = self.forms[id(weight)].packed
         return weight if packed is None else packed
 
-    def _block_weights(self, model: nn.Module, choice: str) -> tuple[str, dict[int, quantized.FusedBlocks]]:
-        """The arithmetic this engine runs and, for int8, its products' GGUF blocks by id of the engine's weight.
-        "auto" is int8 where the target comes with GGUF blocks (a registry target) and the native kernels build,
-        else float32; "int8" fails, saying why, where it cannot run. A product whose GGUF type has no int8 kernel
-        stays float32, said in one line."""
+    def _blocks_file(self, model: nn.Module, choice: str) -> Path | None:
+        """The GGUF blocks the products read where the engine runs int8 arithmetic, else None (float32). "auto" is
+        int8 where the target comes with GGUF blocks (a registry target) and the native kernels build, else float32;
+        "int8" fails, saying why, where it cannot run."""
         if choice not in ARITHMETICS:
             raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}, got {choice!r}")
         if choice == "float32":
-            return "float32", {}
+            return None
         folder = Path(getattr(model, "name_or_path", "") or "")
         # Each token of a verification gets exactly what a one-token step gives it only on the native attention,
         # which computes every query alone: int8 needs it (torch's fused attention may round a row differently).
         fits = native_attention_fits(self.num_heads, self.kv_heads, self.head_dim)
         path = folder / quantized.BLOCKS_FILE  # kept by `models.prepare` beside a registry target
-        if not (fits and path.is_file()):
-            if choice == "int8":
-                why = (f"the native kernels are unavailable ({native.unavailable_reason()})" if not native.available()
-                       else "its attention does not fit the native kernel (head_dim 64 or 128)" if not fits
-                       else f"{folder} holds no GGUF blocks ({quantized.BLOCKS_FILE}: registry targets have them)")
-                raise ValueError(f"int8 arithmetic cannot run this target: {why}; use float32")
-            return "float32", {}
+        if fits and path.is_file() and native.available():
+            return path
+        if choice == "int8":
+            why = (f"the native kernels are unavailable ({native.unavailable_reason()})" if not native.available()
+                   else "its attention does not fit the native kernel (head_dim 64 or 128)" if not fits
+                   else f"{folder} holds no GGUF blocks ({quantized.BLOCKS_FILE}: registry targets have them)")
+            raise ValueError(f"int8 arithmetic cannot run this target: {why}; use float32")
+        return None
+
+    def _block_weights(self, model: nn.Module, path: Path) -> dict[int, quantized.FusedBlocks]:
+        """The products' GGUF blocks by id of the engine's weight (a placeholder, `_placeholder`). A product whose
+        GGUF type has no int8 kernel gets its float32 weight instead, said in one line."""
         blocks = quantized.GGUFBlocks(path)
         # A prepared registry folder verifies the blocks file's checksum at every load: a sample of each weight's
         # rows then finds its order and a file of another model; any other folder's blocks are compared whole.
-        marker = folder / COMPLETE_MARKER
+        marker = path.parent / COMPLETE_MARKER
         covered = marker.is_file() and quantized.BLOCKS_FILE in marker.read_text()
         sample = CHECKED_ROWS if covered else None
         llama = self.config.model_type == "llama"  # llama.cpp permutes a Llama's q and k rows
-        products: list[tuple[torch.Tensor, list[str], list[torch.Tensor], Sequence[int | None]]] = []
+        head = model.get_output_embeddings()
+        # (the engine's layer or None for the head, its kind, GGUF names, the linears, their heads)
+        products: list[tuple[_Layer | None, str, list[str], list[nn.Linear], Sequence[int | None]]] = []
         for index, (module, layer) in enumerate(zip(model.base_model.layers, self.layers)):
             attention, mlp = module.self_attn, module.mlp
             sources = {"qkv": ((attention.q_proj, attention.k_proj, attention.v_proj),
@@ -161,35 +186,32 @@ class Engine:
                        "down": ((mlp.down_proj,), (None,))}
             for kind, (linears, heads) in sources.items():
                 names = [f"blk.{index}.{tensor}.weight" for tensor in quantized.LAYER_TENSORS[kind]]
-                products.append((getattr(layer, kind), names, [linear.weight for linear in linears],
-                                 heads if llama else (None,) * len(linears)))
-        head = "output.weight" if "output.weight" in blocks.meta else "token_embd.weight"  # tied: the embedding
-        products.append((self.head_weight, [head], [self.head_weight], [None]))
+                products.append((layer, kind, names, list(linears), heads if llama else (None,) * len(linears)))
+        head_name = "output.weight" if "output.weight" in blocks.meta else "token_embd.weight"  # tied: the embedding
+        products.append((None, "head", [head_name], [head], [None]))
         # Unpacked and checked on every thread there is: numpy's work, which releases the GIL (Qwen2.5-Coder-0.5B's
         # engine took 3.5-4.3 s to make on two cores, 6.5-8.0 s one weight after another; the same weights).
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            made = list(pool.map(lambda product: quantized.fused_blocks(blocks, *product[1:], sample), products))
+            made = list(pool.map(lambda product: quantized.fused_blocks(
+                blocks, product[2], [linear.weight for linear in product[3]], product[4], sample), products))
         weights: dict[int, quantized.FusedBlocks] = {}
         left: list[str] = []
-        for (weight, *_), fused in zip(products, made):
-            if isinstance(fused, str):
-                left.append(fused)
+        for (layer, kind, _, linears, _), fused in zip(products, made):
+            if not isinstance(fused, str):
+                weights[id(self.head_weight if layer is None else getattr(layer, kind))] = fused
+                continue
+            left.append(fused)
+            if layer is None:
+                self.head_weight = _aligned(head.weight)
             else:
-                weights[id(weight)] = fused
+                setattr(layer, kind, self._fuse(linears) if len(linears) > 1 else _aligned(linears[0].weight))
         if left:
             print(f"int8 arithmetic: {len(left)} product(s) stay float32 ({left[0]})", file=sys.stderr)
-        return "int8", weights
+        return weights
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this engine still runs on `model`'s weights (not so after e.g. `model.to(dtype)`)."""
-        layers = model.base_model.layers
-        return (
-            len(layers) == len(self.layers)
-            and model.get_input_embeddings().weight.data_ptr() == self.embed.data_ptr()
-            and all(layer.self_attn.q_proj.weight.data_ptr() == ours.qkv.data_ptr()
-                    and layer.mlp.down_proj.weight.data_ptr() == ours.down.data_ptr()
-                    for layer, ours in zip(layers, self.layers))
-        )
+        return _weight_storage(model) == self.made_from
 
     @staticmethod
     @torch.no_grad()

@@ -54,9 +54,10 @@ class _Layer:
 
 
 def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch.Tensor], heads: int,
-                   kv_heads: int) -> _Layer:
+                   kv_heads: int, single: Callable[[nn.Parameter], torch.Tensor] = _aligned) -> _Layer:
     """A decoder layer's weights in the engine's form (a Llama/Qwen layer or a DFlash draft layer: the same names),
-    the q/k/v and the gate/up projections each one weight made by `fuse`, the q and k norms one table."""
+    the q/k/v and the gate/up projections each one weight made by `fuse`, o and down by `single`, the q and k norms
+    one table."""
     attention, mlp = layer.self_attn, layer.mlp
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     qkv_bias = None
@@ -72,11 +73,17 @@ def _layer_weights(layer: nn.Module, fuse: Callable[[Sequence[nn.Linear]], torch
         qkv=fuse(projections),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
-        o=_aligned(attention.o_proj.weight),
+        o=single(attention.o_proj.weight),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         gate_up=fuse((mlp.gate_proj, mlp.up_proj)),
-        down=_aligned(mlp.down_proj.weight),
+        down=single(mlp.down_proj.weight),
     )
+
+
+def _placeholder(parameters: Sequence[nn.Parameter]) -> torch.Tensor:
+    """What stands for a product's float32 weight (one projection's, or several fused) while the engine may read it
+    as GGUF blocks: its shape and an identity, no memory (a meta tensor: computing with it fails loudly)."""
+    return torch.empty(sum(p.shape[0] for p in parameters), parameters[0].shape[1], device="meta")
 
 
 def _layer_products(layer: _Layer) -> tuple[torch.Tensor, ...]:
