@@ -118,4 +118,4 @@ def test_an_error_with_its_own_message_keeps_it():
     assert _describe(FileNotFoundError("x is not a draft folder: it has no config.json")) == (
         "x is not a draft folder: it has no config.json")
     assert _describe(ValueError("draft expects hidden size 896")) == "draft expects hidden size 896"
-    assert _describe(PermissionError(13, "Permission denied", "/root/x")) == "/root/x: permission denied"
+    assert _describe(PermissionError(13, "Permission denied", "RUNS/x")) == "RUNS/x: permission denied"
