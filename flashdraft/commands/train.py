@@ -71,7 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     corpus.add_argument("--exclude-ids", type=Path, action="append", default=[], metavar="FILE",
                         help="file of record ids not to train on, e.g. corpus/TARGET/draws/*.txt (repeatable)")
     corpus.add_argument("--seconds", type=float, default=None,
-                        help="budget from start to the written drafts (or give --max-steps)")
+                        help="budget from start to the written drafts (or give --max-steps), turned into a step "
+                             "count from the probe steps' speed, so that the learning-rate schedule is fixed: a "
+                             "machine that gets busier later runs past it")
     corpus.add_argument("--step-seconds", type=float, default=None,
                         help="seconds a step takes (default: timed by a few probe steps)")
     corpus.add_argument("--reserve", type=float, default=30.0, help="seconds kept for writing the drafts (default: 30)")
