@@ -103,7 +103,7 @@ typedef struct {
     const signed char *codes;  /* [K/32][rows][32] */
     const float *scales;       /* [K/32][rows] */
     const float *scaled_sums;  /* [K/32][rows] */
-    const int *corrections;    /* [K/block][rows]: the weight's offset times the sum of the block's codes */
+    const int *corrections;    /* [K/block][rows]: minus the weight's offset times the sum of the block's codes */
     long rows;
 } quantized_rows;
 
@@ -149,7 +149,7 @@ static void panels_portable(const block_weight *w, const quantized_rows *x, floa
                     const signed char *codes = row_codes(x, i, w->block, b);
                     int sum = 0;
                     for (long k = 0; k < w->block; k++) sum += code_at(w, n, b * w->block + k) * codes[k];
-                    sum -= x->corrections[b * x->rows + i];
+                    sum += x->corrections[b * x->rows + i];
                     const long at = (p * blocks + b) * PANEL + r;
                     acc = fmaf((float)sum, w->scale[at] * *row_scales(x, i, w->block, b), acc);
                     if (w->minimum) acc = fmaf(w->minimum[at], x->scaled_sums[b * x->rows + i], acc);
@@ -180,7 +180,13 @@ static inline __attribute__((always_inline)) void prefetch_block(const block_wei
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define MAX_ROWS 8 /* activation rows per pass over a panel's block */
 
-static inline __m512i broadcast4(const signed char *p) { return _mm512_set1_epi32(*(const aliased_int *)p); }
+/* sum + the 4-code dot products of the weight's unsigned codes with the 4 signed codes at p, broadcast from memory
+ * by the instruction itself: compilers issue a separate broadcast for _mm512_set1_epi32(*p), one more vector
+ * instruction beside every multiply-add. */
+static inline __m512i dot_broadcast4(__m512i sum, __m512i codes, const signed char *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(codes), "m"(*(const aliased_int *)p));
+    return sum;
+}
 
 static inline __attribute__((always_inline)) void panel_avx512(const int MR, const int BITS, const int BLOCK,
                                                               const block_weight *w, const quantized_rows *x,
@@ -202,11 +208,11 @@ static inline __attribute__((always_inline)) void panel_avx512(const int MR, con
                 const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * g));
                 wv[2 * g] = _mm512_and_si512(v, low4);
                 wv[2 * g + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                if (BITS == 5) {
+                if (BITS == 5) { /* the fifth bit: 16 added where its mask bit is set (bit 4 is clear) */
                     unsigned long long masks[2];
                     memcpy(masks, w->high + ((p * blocks + b) * 4 + g) * 16, sizeof masks);
-                    wv[2 * g] = _mm512_or_si512(wv[2 * g], _mm512_maskz_mov_epi8(masks[0], fifth));
-                    wv[2 * g + 1] = _mm512_or_si512(wv[2 * g + 1], _mm512_maskz_mov_epi8(masks[1], fifth));
+                    wv[2 * g] = _mm512_mask_add_epi8(wv[2 * g], masks[0], wv[2 * g], fifth);
+                    wv[2 * g + 1] = _mm512_mask_add_epi8(wv[2 * g + 1], masks[1], wv[2 * g + 1], fifth);
                 }
             }
         }
@@ -219,14 +225,16 @@ static inline __attribute__((always_inline)) void panel_avx512(const int MR, con
         const int *corrections = x->corrections + b * x->rows + i0;
         const float *scales = row_scales(x, i0, BLOCK, b), *scaled_sums = x->scaled_sums + b * x->rows + i0;
         __m512i sums[8][2];
-        for (int i = 0; i < MR; i++) sums[i][0] = sums[i][1] = _mm512_setzero_si512();
+        /* each row's sum starts at minus its correction: the same integer, one subtraction fewer */
+        for (int i = 0; i < MR; i++) {
+            sums[i][0] = w->offset ? _mm512_set1_epi32(corrections[i]) : _mm512_setzero_si512();
+            sums[i][1] = _mm512_setzero_si512();
+        }
         for (int t = 0; t < vectors; t++)
             for (int i = 0; i < MR; i++)
-                sums[i][t % split] = _mm512_dpbusd_epi32(sums[i][t % split], wv[t],
-                                                         broadcast4(codes + X_BLOCK * i + 4 * t));
+                sums[i][t % split] = dot_broadcast4(sums[i][t % split], wv[t], codes + X_BLOCK * i + 4 * t);
         for (int i = 0; i < MR; i++) {
-            __m512i sum = split == 2 ? _mm512_add_epi32(sums[i][0], sums[i][1]) : sums[i][0];
-            if (w->offset) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(corrections[i]));
+            const __m512i sum = split == 2 ? _mm512_add_epi32(sums[i][0], sums[i][1]) : sums[i][0];
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(scales[i])), acc[i]);
             if (w->minimum) acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(scaled_sums[i]), acc[i]);
         }
@@ -368,7 +376,7 @@ static inline __attribute__((always_inline)) void scale_sums(const int MR, const
     const float *scales = row_scales(x, i0, BLOCK, b), *scaled_sums = x->scaled_sums + b * x->rows + i0;
     for (int i = 0; i < MR; i++) {
         __m512i sum = _mm512_load_si512((const void *)(sums + 16 * i));
-        if (w->offset) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(corrections[i]));
+        if (w->offset) sum = _mm512_add_epi32(sum, _mm512_set1_epi32(corrections[i]));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(scales[i])), acc[i]);
         if (w->minimum) acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(scaled_sums[i]), acc[i]);
     }
@@ -479,8 +487,8 @@ static inline __attribute__((always_inline)) void panel_avx2(const int MR, const
         const signed char *codes = row_codes(x, i0, BLOCK, b); /* row i's at codes + 32 i */
         const int *corrections = x->corrections + b * x->rows + i0;
         const float *scales = row_scales(x, i0, BLOCK, b), *scaled_sums = x->scaled_sums + b * x->rows + i0;
-        __m256i sums[MAX_ROWS]; /* rows innermost: independent chains */
-        for (int i = 0; i < MR; i++) sums[i] = _mm256_setzero_si256();
+        __m256i sums[MAX_ROWS]; /* rows innermost: independent chains, each from minus its row's correction */
+        for (int i = 0; i < MR; i++) sums[i] = w->offset ? _mm256_set1_epi32(corrections[i]) : _mm256_setzero_si256();
         for (int t = 0; t < vectors; t++) {
             /* 8-bit codes as 16 * high nibble + low nibble: each product pair within int16 */
             const __m256i high = BITS == 8 ? _mm256_and_si256(_mm256_srli_epi16(wv[t], 4), low4) : wv[t];
@@ -493,9 +501,7 @@ static inline __attribute__((always_inline)) void panel_avx2(const int MR, const
             }
         }
         for (int i = 0; i < MR; i++) {
-            __m256i sum = sums[i];
-            if (w->offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(corrections[i]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(scales[i])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_mul_ps(scale, _mm256_set1_ps(scales[i])), acc[i]);
             if (w->minimum) acc[i] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(scaled_sums[i]), acc[i]);
         }
     }
@@ -608,9 +614,9 @@ void block_gemm(const block_weight *parts, long count, const float *x, long M, l
     for (long c = 0; c < count; c++) {
         const block_weight *w = &parts[c];
         const long panels = w->rows / PANEL, blocks = K / w->block;
-        for (long b = 0; b < blocks; b++) /* the weight's integer offset times each block's sum of codes */
+        for (long b = 0; b < blocks; b++) /* minus the weight's integer offset times each block's sum of codes */
             for (long m = 0; m < rows; m++)
-                corrections[b * rows + m] = w->offset * (w->block == 16 ? sums16[b * rows + m]
+                corrections[b * rows + m] = -w->offset * (w->block == 16 ? sums16[b * rows + m]
                                                                           : sums16[2 * b * rows + m] +
                                                                                 sums16[(2 * b + 1) * rows + m]);
         float *out = y + column;
