@@ -89,7 +89,9 @@ def _is_complete(folder: Path, entry: RegisteredModel) -> bool:
 
 def _record_checksums(folder: Path) -> dict[str, dict]:
     """sha256 and size of every file of a prepared folder (the marker and the verification cache aside)."""
-    skip = {COMPLETE_MARKER, VERIFIED_CACHE}
+    from .quantized import PANELS_FILE  # the engine's cache: rewritten whenever it is stale, so never recorded
+
+    skip = {COMPLETE_MARKER, VERIFIED_CACHE, PANELS_FILE}
     return {path.name: {"sha256": file_sha256(path), "size": path.stat().st_size}
             for path in sorted(folder.iterdir()) if path.is_file() and path.name not in skip}
 

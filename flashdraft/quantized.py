@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,6 +307,69 @@ class GGUFBlocks:
             return None
         type_name, n, k = self.meta[name]
         return decode(type_name, self._file.get_tensor(name), (n, k))
+
+
+# ---- the panels cache: a prepared folder's weights in the kernel's layout, kept beside its blocks ----
+
+PANELS_FILE = "int8-panels.safetensors"
+PANELS_LAYOUT = 1  # the version of `BlockWeight.of`'s layout: a change makes every cache stale
+_PANEL_ARRAYS = ("codes", "high", "scale", "minimum")
+
+
+def panels_source(folder: Path) -> dict:
+    """What a folder's panels cache was made from: the layout's version and the size and modification time of every
+    weights file beside it (the blocks, and the model whose weights the blocks were checked against)."""
+    files = sorted(path for path in folder.glob("*.safetensors") if path.name != PANELS_FILE)
+    return {"layout": PANELS_LAYOUT, "files": {path.name: [path.stat().st_size, path.stat().st_mtime_ns]
+                                               for path in files}}
+
+
+def save_panels(weights: dict[str, BlockWeight], folder: Path) -> None:
+    """Keep `weights` (by GGUF tensor name, checked against the model and in its row order) in `folder`'s panels
+    cache, written beside its final name and renamed into place, so that a reader never sees half a file."""
+    from safetensors.numpy import save_file
+
+    tensors = {f"{name}:{field}": getattr(weight, field) for name, weight in weights.items()
+               for field in _PANEL_ARRAYS if getattr(weight, field) is not None}
+    shapes = {name: [weight.type, *weight.shape] for name, weight in weights.items()}
+    handle, partial = tempfile.mkstemp(dir=folder, prefix=".panels-", suffix=".partial")
+    os.close(handle)
+    try:
+        save_file(tensors, partial, metadata={"flashdraft-panels": json.dumps(shapes),
+                                              "source": json.dumps(panels_source(folder))})
+        os.chmod(partial, folder.stat().st_mode & 0o666)
+        os.replace(partial, folder / PANELS_FILE)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+
+
+def load_panels(folder: Path) -> dict[str, BlockWeight] | None:
+    """`folder`'s panels cache by GGUF tensor name; None where there is none, or it is stale (made from other files
+    or another layout) or unreadable: the caller then unpacks the blocks again."""
+    from safetensors import SafetensorError, safe_open
+
+    path = folder / PANELS_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="numpy") as file:
+            metadata = file.metadata() or {}
+            if json.loads(metadata.get("source", "null")) != panels_source(folder):
+                return None
+            stored = set(file.keys())
+            weights = {}
+            for name, (type_name, n, k) in json.loads(metadata["flashdraft-panels"]).items():
+                arrays = [file.get_tensor(f"{name}:{field}") if f"{name}:{field}" in stored else None
+                          for field in _PANEL_ARRAYS]
+                weight = BlockWeight(type_name, (n, k), *arrays)
+                fmt = FORMATS[type_name]
+                code_bytes = n * k if fmt.bits == 8 else n * k // 2
+                if weight.codes.nbytes != code_bytes or weight.scale.size != n * k // fmt.block:
+                    return None
+                weights[name] = weight
+            return weights
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        return None
 
 
 def gguf_name(hf_name: str) -> str | None:

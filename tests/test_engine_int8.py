@@ -4,6 +4,8 @@ draft is plain decoding, token for token; and the ways it refuses or steps aside
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -234,6 +236,73 @@ def test_a_type_without_a_kernel_stays_float32_with_a_note(tmp_path, capsys):
     draft = tiny_draft(model, num_layers=1, mask_token_id=5)
     assert flashdraft.generate(model, draft, prompt, max_new_tokens=24).tokens == (
         flashdraft.generate(model, None, prompt, max_new_tokens=24, block_size=1).tokens)
+
+
+def prepared_like(folder):
+    """`folder` marked as a prepared registry folder is: its blocks covered by the marker's checksums."""
+    from flashdraft.files import COMPLETE_MARKER
+
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"files": {quantized.BLOCKS_FILE: {"sha256": "0", "size": 0}}}))
+    return folder
+
+
+def engine_blocks(engine) -> list[list[tuple]]:
+    return [[(part.type, part.shape, part.codes.tobytes(), None if part.high is None else part.high.tobytes(),
+              part.scale.tobytes(), None if part.minimum is None else part.minimum.tobytes()) for part in fused.parts]
+            for fused in (engine.blocks[id(w)] for w in engine._weights())]
+
+
+def test_a_prepared_folder_keeps_its_panels_and_a_later_engine_reads_them_unpacking_nothing(tmp_path, monkeypatch):
+    folder = prepared_like(gguf_target(tmp_path))
+    model, _ = load_target(str(folder))
+    first = TargetModel(model).engine
+    assert (folder / quantized.PANELS_FILE).is_file() and not list(folder.glob(".panels-*"))
+    monkeypatch.setattr(quantized, "fused_blocks", lambda *args: pytest.fail("unpacked although cached"))
+    second = first.__class__(model)
+    assert engine_blocks(second) == engine_blocks(first)
+    prompt = torch.randint(0, 96, (1, 12))
+    positions = torch.arange(12)[None]
+    assert torch.equal(first.forward(prompt, positions, first.new_cache())[0],
+                       second.forward(prompt, positions, second.new_cache())[0])
+
+
+@pytest.mark.parametrize("change", ["weights", "layout", "damage"])
+def test_a_stale_or_damaged_panels_cache_is_unpacked_again_and_rewritten(tmp_path, monkeypatch, change):
+    import os
+
+    folder = prepared_like(gguf_target(tmp_path))
+    model, _ = load_target(str(folder))
+    expected = engine_blocks(TargetModel(model).engine)
+    cache = folder / quantized.PANELS_FILE
+    if change == "weights":  # the model's weights written again: the blocks were checked against other ones
+        os.utime(folder / "model.safetensors", ns=(1, 1))
+    elif change == "layout":
+        monkeypatch.setattr(quantized, "PANELS_LAYOUT", quantized.PANELS_LAYOUT + 1)
+    else:
+        cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    assert quantized.load_panels(folder) is None
+    unpacked = []
+    real = quantized.fused_blocks
+    monkeypatch.setattr(quantized, "fused_blocks", lambda *args: unpacked.append(args[1]) or real(*args))
+    assert engine_blocks(TargetModel(model).engine.__class__(model)) == expected
+    assert len(unpacked) == 2 * 4 + 1 and quantized.load_panels(folder) is not None  # every product; rewritten
+
+
+def test_panels_are_kept_only_for_a_prepared_folder_and_a_folder_it_cannot_write_costs_nothing(tmp_path,
+                                                                                               monkeypatch):
+    folder = gguf_target(tmp_path / "own")  # not prepared by flashdraft: every load checks every row, no cache
+    model, _ = load_target(str(folder))
+    _ = TargetModel(model).engine
+    assert not (folder / quantized.PANELS_FILE).exists()
+
+    def refuse(*args):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(quantized, "save_panels", refuse)
+    prepared = prepared_like(gguf_target(tmp_path / "prepared"))
+    model, _ = load_target(str(prepared))
+    assert TargetModel(model).engine.arithmetic == "int8"
+    assert not (prepared / quantized.PANELS_FILE).exists()
 
 
 def test_a_damaged_block_is_refused_by_name(tmp_path):
