@@ -44,7 +44,7 @@ MANIFEST = "manifest.json"
 # regeneration answers prompts shortest first).
 # The Qwen corpus answered its first 2,000 prompts on 2026-12-06 and its 5,000 (its draft issue's target) the same
 # day; 10,000 is its next step.
-PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 10000}
+PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 20000}
 FIRST_PROMPT_STEP = 2000
 REGENERATION_MAX_NEW_TOKENS = 512
 FORMAT = 1

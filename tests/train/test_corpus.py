@@ -215,7 +215,7 @@ def test_the_corpus_command_reports_the_corpus_and_refuses_unknown_targets(tmp_p
     assert main(["corpus", "status", "--target", "qwen2.5-coder-1.5b-instruct", "--corpus", str(tmp_path)]) == 0
     assert "qwen2.5-coder-1.5b-instruct/prompts-2000" in capsys.readouterr().out  # a new target's first step
     assert main(["corpus", "status", "--target", "qwen2.5-coder-0.5b-instruct", "--corpus", str(tmp_path)]) == 0
-    assert "qwen2.5-coder-0.5b-instruct/prompts-10000" in capsys.readouterr().out  # its third step
+    assert "qwen2.5-coder-0.5b-instruct/prompts-20000" in capsys.readouterr().out  # its fourth step
     assert main(["corpus", "status", "--target", "nosuch"]) == 2
     assert "unknown target 'nosuch'" in capsys.readouterr().err
     assert main(["corpus", "pause", "--corpus", str(tmp_path / "c")]) == 1
