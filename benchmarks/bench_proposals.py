@@ -1,5 +1,6 @@
 """The proposals against plain decoding on the same engine: `flashdraft.generate` with `block_size=1`, with the
-shipped draft (hybrid proposals, the default) and with `proposals="lookup"`, in turns prompt by prompt (a rotating
+shipped draft (hybrid proposals, the default), with the draft alone (`proposals="dflash"`, block size by cost) and
+with `proposals="lookup"`, in turns prompt by prompt (a rotating
 order), greedy, with the chat template and the target's stop tokens.
 
     python benchmarks/bench_proposals.py --dataset humaneval --prompts 6 --max-new-tokens 128
@@ -45,6 +46,7 @@ def main() -> None:
     methods = {
         "plain": lambda ids: flashdraft.generate(model, None, ids, block_size=1, **settings),
         "hybrid": lambda ids: flashdraft.generate(model, draft, ids, **settings),
+        "dflash": lambda ids: flashdraft.generate(model, draft, ids, proposals="dflash", **settings),
         "lookup": lambda ids: flashdraft.generate(model, None, ids, proposals="lookup", **settings),
     }
     for band in args.near_best:

@@ -46,12 +46,17 @@ class Format:
     offset: int
     bytes_per_block: int  # GGUF's bytes per super-block
     weights_per_block: int
+    largest_code: int | None = None  # where less than 2^bits - 1 (Q6_K's 6-bit codes in bytes): AVX2 needs no split
+
+    @property
+    def code_limit(self) -> int:
+        return (1 << self.bits) - 1 if self.largest_code is None else self.largest_code
 
 
 FORMATS = {
     "Q4_0": Format(4, 32, 8, 18, 32), "Q4_1": Format(4, 32, 0, 20, 32), "Q5_0": Format(5, 32, 16, 22, 32),
     "Q5_1": Format(5, 32, 0, 24, 32), "Q8_0": Format(8, 32, 128, 34, 32), "Q4_K": Format(4, 32, 0, 144, 256),
-    "Q5_K": Format(5, 32, 0, 176, 256), "Q6_K": Format(8, 16, 32, 210, 256),
+    "Q5_K": Format(5, 32, 0, 176, 256), "Q6_K": Format(8, 16, 32, 210, 256, 63),
 }
 
 
@@ -154,9 +159,10 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Codes:
 
 
 class _BlockWeightTable(ctypes.Structure):  # csrc/kernels.h: block_weight
-    _fields_ = [("bits", ctypes.c_int), ("block", ctypes.c_int), ("offset", ctypes.c_int), ("reserved", ctypes.c_int),
-                ("rows", ctypes.c_long), ("cols", ctypes.c_long), ("codes", ctypes.c_void_p),
-                ("high", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minimum", ctypes.c_void_p)]
+    _fields_ = [("bits", ctypes.c_int), ("block", ctypes.c_int), ("offset", ctypes.c_int),
+                ("largest_code", ctypes.c_int), ("rows", ctypes.c_long), ("cols", ctypes.c_long),
+                ("codes", ctypes.c_void_p), ("high", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("minimum", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,9 @@ class BlockWeight:
             raise ValueError(f"the int8 kernel takes weights of rows a multiple of {PANEL} and columns a multiple of "
                              f"{X_BLOCK}, not {weight.codes.shape}")
         codes, high = weight.codes, None
+        if fmt.largest_code is not None and codes.size and int(codes.max()) > fmt.largest_code:
+            raise ValueError(f"a {weight.type} weight holds a code above {fmt.largest_code}, which its type cannot "
+                             "encode: the blocks are damaged")
         if fmt.bits == 8:
             panels = codes.reshape(n // PANEL, PANEL, k // 4, 4).transpose(0, 2, 1, 3)
         else:
@@ -199,7 +208,7 @@ class BlockWeight:
 
     def table(self) -> _BlockWeightTable:
         fmt = FORMATS[self.type]
-        return _BlockWeightTable(fmt.bits, fmt.block, fmt.offset, 0, self.shape[0], self.shape[1],
+        return _BlockWeightTable(fmt.bits, fmt.block, fmt.offset, fmt.code_limit, self.shape[0], self.shape[1],
                                  self.codes.ctypes.data, None if self.high is None else self.high.ctypes.data,
                                  self.scale.ctypes.data, None if self.minimum is None else self.minimum.ctypes.data)
 

@@ -48,8 +48,18 @@ def test_each_type_decodes_to_ggufs_own_dequantization(type_name):
     raw = random_blocks(type_name, shape, seed=1)
     expected = quants.dequantize(raw.reshape(shape[0], -1), GGMLQuantizationType[type_name])
     codes = decode(type_name, raw, shape)
-    assert codes.codes.max() < 2 ** FORMATS[type_name].bits
+    assert codes.codes.max() <= FORMATS[type_name].code_limit < 2 ** FORMATS[type_name].bits
     assert np.array_equal(codes.dequantize(), expected.reshape(shape))
+
+
+def test_a_q6_k_code_past_six_bits_is_refused_as_damaged():
+    """AVX2 multiplies Q6_K's codes whole, trusting them to fit 6 bits; a code past that is a damaged weight."""
+    codes = decode("Q6_K", random_blocks("Q6_K", (16, 256), seed=2), (16, 256))
+    BlockWeight.of(codes)
+    damaged = codes.codes.copy()
+    damaged[3, 17] = 64
+    with pytest.raises(ValueError, match="Q6_K weight holds a code above 63"):
+        BlockWeight.of(Codes("Q6_K", damaged, codes.scale, codes.minimum))
 
 
 def test_decode_refuses_a_type_without_a_kernel_and_a_wrong_size():

@@ -76,6 +76,33 @@ static inline void quantize_block_avx512(const float *v, signed char *c, float *
     halves[1] = _mm512_reduce_add_epi32(q1);
     *scale = largest / 127.0f;
 }
+#elif defined(__AVX2__)
+static inline void quantize_block_avx2(const float *v, signed char *c, float *scale, int halves[2]) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 x[4], most = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) { /* max(|v|, most) keeps `most` where |v| is NaN, as the scalar comparison does */
+        x[j] = _mm256_loadu_ps(v + 8 * j);
+        most = _mm256_max_ps(_mm256_and_ps(x[j], magnitude), most);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    __m256i q[4];
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm256_max_epi32(bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inverse))));
+    /* the packs interleave 128-bit lanes: 4-code groups come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] q0[4:8] ... */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)c, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int h = 0; h < 2; h++) {
+        const __m256i pair = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(pair), _mm256_extracti128_si256(pair, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+        halves[h] = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1)));
+    }
+    *scale = largest / 127.0f;
+}
 #endif
 
 void quantize_rows_q8(const float *x, long M, long K, long rows, signed char *codes, float *scales, int *sums16,
@@ -88,6 +115,9 @@ void quantize_rows_q8(const float *x, long M, long K, long rows, signed char *co
             int halves[2];
 #if defined(__AVX512F__) && defined(__AVX512BW__)
             if (!portable) quantize_block_avx512(v, c, &scale, halves);
+            else
+#elif defined(__AVX2__)
+            if (!portable) quantize_block_avx2(v, c, &scale, halves);
             else
 #endif
                 quantize_block_scalar(v, c, &scale, halves);
@@ -432,93 +462,97 @@ PANELS_TILES(8, 32)
 PANELS_TILES(8, 16)
 #endif /* AMX */
 
-/* ---- AVX2: each panel as two halves of 8 rows; u8 x s8 pairs summed in int16 (never saturating: codes of up to
- * 5 bits; 8-bit codes go in two 4-bit halves), then in int32 ---- */
+/* ---- AVX2: each panel as two halves of 8 rows, a half block unpacked once for all the activation rows; u8 x s8
+ * pairs summed in int16, then in int32 ---- */
 #elif defined(__AVX2__)
-#define MAX_ROWS 4
-
 static inline __m256i broadcast4(const signed char *p) { return _mm256_set1_epi32(*(const aliased_int *)p); }
 
-static inline __m256i bytes_of_bits(unsigned int bits) { /* byte i: 0xFF where bit i is set */
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
-                                                                2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-}
+static inline __m256i widen_pairs(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 
-static inline __m256i dot4(__m256i codes, __m256i x) { /* codes < 32: pairs fit int16 */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
-}
-
-static inline __attribute__((always_inline)) void panel_avx2(const int MR, const int BITS, const int BLOCK,
-                                                            const block_weight *w, const quantized_rows *x, long i0,
-                                                            long p, int half, float *y, long ldy) {
+static inline __attribute__((always_inline)) void half_panel_avx2(const int BITS, const int BLOCK, const int SPLIT,
+                                                                 const block_weight *w, const quantized_rows *x,
+                                                                 long M, long from, long p, int half, float *y,
+                                                                 long ldy) {
     const long K = w->cols, blocks = K / BLOCK;
     const int vectors = BLOCK / 4;
+    /* A maddubs pair of codes up to c with activation codes within +-127 stays within 2 * 127 * c, so that 8 pairs'
+     * sums of 4-bit codes, 4 of 5-bit codes or 2 of 6-bit codes (Q6_K's, in bytes) fit int16 exactly: summed there,
+     * they need one widening to int32 a run instead of one a vector. Other 8-bit codes go in two 4-bit halves
+     * (SPLIT). */
+    const int run = BITS == 5 ? 4 : BITS == 8 && !SPLIT ? 2 : 8;
     const __m256i low4 = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
-    __m256 acc[MAX_ROWS];
-    for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
+    /* 5-bit codes: byte k of this half's vector takes its fifth bit from byte 4 half + k / 8 of the group's first
+     * mask (the low nibbles' codes) or of its second (the high nibbles'), bit k % 8 */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i from_first = _mm256_add_epi8(_mm256_set1_epi8((char)(4 * half)),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                                                2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i from_second = _mm256_add_epi8(from_first, _mm256_set1_epi8(8));
     for (long b = 0; b < blocks; b++) {
-        __m256i wv[8];
         if (half == 0) prefetch_block(w, BITS, BLOCK, p * blocks + b + PREFETCH_BLOCKS); /* half 1 reads it again */
+        /* the block's codes for this half's 8 rows: [t] 4 codes each (split 8-bit codes' low nibbles), [8 + t] split
+         * codes' high nibbles */
+        __m256i unpacked[16];
         if (BITS == 8) {
             const unsigned char *c = w->codes + (p * (K / 4) + b * (BLOCK / 4)) * 64 + 32 * half;
-            for (int t = 0; t < vectors; t++) wv[t] = _mm256_loadu_si256((const __m256i *)(c + 64 * t));
+            for (int t = 0; t < vectors; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * t));
+                unpacked[t] = SPLIT ? _mm256_and_si256(v, low4) : v;
+                if (SPLIT) unpacked[8 + t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            }
         } else {
             const unsigned char *c = w->codes + (p * blocks + b) * 4 * 64 + 32 * half;
             for (int g = 0; g < 4; g++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * g));
-                wv[2 * g] = _mm256_and_si256(v, low4);
-                wv[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                unpacked[2 * g] = _mm256_and_si256(v, low4);
+                unpacked[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 if (BITS == 5) {
-                    unsigned long long masks[2];
-                    memcpy(masks, w->high + ((p * blocks + b) * 4 + g) * 16, sizeof masks);
-                    wv[2 * g] = _mm256_or_si256(
-                        wv[2 * g], _mm256_and_si256(bytes_of_bits((unsigned int)(masks[0] >> (32 * half))), fifth));
-                    wv[2 * g + 1] = _mm256_or_si256(
-                        wv[2 * g + 1],
-                        _mm256_and_si256(bytes_of_bits((unsigned int)(masks[1] >> (32 * half))), fifth));
+                    const __m256i masks = _mm256_broadcastsi128_si256(
+                        _mm_loadu_si128((const __m128i *)(w->high + ((p * blocks + b) * 4 + g) * 16)));
+                    for (int second = 0; second < 2; second++) {
+                        const __m256i spread = _mm256_shuffle_epi8(masks, second ? from_second : from_first);
+                        unpacked[2 * g + second] = _mm256_or_si256(
+                            unpacked[2 * g + second],
+                            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), fifth));
+                    }
                 }
             }
         }
         const __m256 scale = _mm256_loadu_ps(w->scale + (p * blocks + b) * PANEL + 8 * half);
         const __m256 minimum = w->minimum ? _mm256_loadu_ps(w->minimum + (p * blocks + b) * PANEL + 8 * half) : scale;
-        const signed char *codes = row_codes(x, i0, BLOCK, b); /* row i's at codes + 32 i */
-        const int *corrections = x->corrections + b * x->rows + i0;
-        const float *scales = row_scales(x, i0, BLOCK, b), *scaled_sums = x->scaled_sums + b * x->rows + i0;
-        __m256i sums[MAX_ROWS]; /* rows innermost: independent chains, each from minus its row's correction */
-        for (int i = 0; i < MR; i++) sums[i] = w->offset ? _mm256_set1_epi32(corrections[i]) : _mm256_setzero_si256();
-        for (int t = 0; t < vectors; t++) {
-            /* 8-bit codes as 16 * high nibble + low nibble: each product pair within int16 */
-            const __m256i high = BITS == 8 ? _mm256_and_si256(_mm256_srli_epi16(wv[t], 4), low4) : wv[t];
-            const __m256i low = BITS == 8 ? _mm256_and_si256(wv[t], low4) : wv[t];
-            for (int i = 0; i < MR; i++) {
-                const __m256i xv = broadcast4(codes + X_BLOCK * i + 4 * t);
-                sums[i] = BITS == 8 ? _mm256_add_epi32(sums[i], _mm256_add_epi32(_mm256_slli_epi32(dot4(high, xv), 4),
-                                                                                 dot4(low, xv)))
-                                    : _mm256_add_epi32(sums[i], dot4(low, xv));
+        for (long i = from; i < M; i++) {
+            const signed char *codes = row_codes(x, i, BLOCK, b);
+            __m256i sum = w->offset ? _mm256_set1_epi32(x->corrections[b * x->rows + i]) : _mm256_setzero_si256();
+            for (int first = 0; first < vectors; first += run) {
+                __m256i low_pairs = _mm256_setzero_si256(), high_pairs = _mm256_setzero_si256();
+                for (int t = first; t < first + run && t < vectors; t++) {
+                    const __m256i xv = broadcast4(codes + 4 * t);
+                    low_pairs = _mm256_add_epi16(low_pairs, _mm256_maddubs_epi16(unpacked[t], xv));
+                    if (SPLIT) high_pairs = _mm256_add_epi16(high_pairs, _mm256_maddubs_epi16(unpacked[8 + t], xv));
+                }
+                sum = _mm256_add_epi32(sum, widen_pairs(low_pairs));
+                if (SPLIT) sum = _mm256_add_epi32(sum, _mm256_slli_epi32(widen_pairs(high_pairs), 4));
             }
-        }
-        for (int i = 0; i < MR; i++) {
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_mul_ps(scale, _mm256_set1_ps(scales[i])), acc[i]);
-            if (w->minimum) acc[i] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(scaled_sums[i]), acc[i]);
+            float *out = y + i * ldy + p * PANEL + 8 * half;
+            __m256 acc = b ? _mm256_loadu_ps(out) : _mm256_setzero_ps();
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(*row_scales(x, i, BLOCK, b))),
+                                  acc);
+            if (w->minimum) acc = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x->scaled_sums[b * x->rows + i]), acc);
+            _mm256_storeu_ps(out, acc);
         }
     }
-    for (int i = 0; i < MR; i++) _mm256_storeu_ps(y + (i0 + i) * ldy + p * PANEL + 8 * half, acc[i]);
 }
 
 #define PANELS_AVX2(BITS, BLOCK)                                                                                   \
     static void panels_##BITS##_##BLOCK(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, \
                                         long from, long first, long end) {                                         \
         for (long p = first; p < end; p++)                                                                         \
-            for (int half = 0; half < 2; half++)                                                                   \
-                for (long i = from; i < M; i += MAX_ROWS) switch (M - i < MAX_ROWS ? M - i : MAX_ROWS) {           \
-                    case 4: panel_avx2(4, BITS, BLOCK, w, x, i, p, half, y, ldy); break;                           \
-                    case 3: panel_avx2(3, BITS, BLOCK, w, x, i, p, half, y, ldy); break;                           \
-                    case 2: panel_avx2(2, BITS, BLOCK, w, x, i, p, half, y, ldy); break;                           \
-                    case 1: panel_avx2(1, BITS, BLOCK, w, x, i, p, half, y, ldy); break;                           \
-                    }                                                                                              \
+            for (int half = 0; half < 2; half++) {                                                                 \
+                if (BITS == 8 && w->largest_code < 64)                                                             \
+                    half_panel_avx2(BITS, BLOCK, 0, w, x, M, from, p, half, y, ldy);                               \
+                else                                                                                               \
+                    half_panel_avx2(BITS, BLOCK, BITS == 8, w, x, M, from, p, half, y, ldy);                       \
+            }                                                                                                      \
     }
 PANELS_AVX2(4, 32)
 PANELS_AVX2(5, 32)

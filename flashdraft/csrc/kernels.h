@@ -8,7 +8,7 @@ typedef struct {
     int bits;                   /* 4, 5 or 8: the width of a code */
     int block;                  /* weights per scale along K: 32, or 16 */
     int offset;                 /* an integer every code is taken from: w = scale * (code - offset) (+ minimum) */
-    int reserved;
+    int largest_code;           /* the largest code a weight may hold: 2^bits - 1, or 63 for Q6_K's 6-bit codes */
     long rows, cols;            /* N (a multiple of 16) and K (a multiple of 32) */
     const unsigned char *codes; /* the panel layout of block_gemm.c */
     const unsigned char *high;  /* 5-bit codes: their fifth bits; else NULL */
