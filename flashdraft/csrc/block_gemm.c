@@ -543,16 +543,87 @@ static inline __attribute__((always_inline)) void half_panel_avx2(const int BITS
     }
 }
 
+/* One activation row (a decoding step) through a whole panel: both halves at once, their sums and accumulators in
+ * registers, each weight vector unpacked as it is used. The same operations per output as half_panel_avx2. */
+static inline __attribute__((always_inline)) void panel_one_row_avx2(const int BITS, const int BLOCK, const int SPLIT,
+                                                                    const block_weight *w, const quantized_rows *x,
+                                                                    long i, long p, float *y, long ldy) {
+    const long K = w->cols, blocks = K / BLOCK;
+    const int vectors = BLOCK / 4;
+    const int run = BITS == 5 ? 4 : BITS == 8 && !SPLIT ? 2 : 8; /* as in half_panel_avx2 */
+    const __m256i low4 = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i spread_bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                                  2, 3, 3, 3, 3, 3, 3, 3, 3);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (long b = 0; b < blocks; b++) {
+        prefetch_block(w, BITS, BLOCK, p * blocks + b + PREFETCH_BLOCKS);
+        const signed char *codes = row_codes(x, i, BLOCK, b);
+        const __m256i correction = w->offset ? _mm256_set1_epi32(x->corrections[b * x->rows + i])
+                                             : _mm256_setzero_si256();
+        __m256i sum[2] = {correction, correction};
+        for (int first = 0; first < vectors; first += run) {
+            __m256i low_pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, high_pairs[2] = {low_pairs[0],
+                                                                                                        low_pairs[1]};
+            for (int t = first; t < first + run && t < vectors; t++) {
+                const __m256i xv = broadcast4(codes + 4 * t);
+                for (int half = 0; half < 2; half++) {
+                    __m256i wt, high = _mm256_setzero_si256();
+                    if (BITS == 8) {
+                        const __m256i v = _mm256_loadu_si256(
+                            (const __m256i *)(w->codes + (p * (K / 4) + b * (BLOCK / 4) + t) * 64 + 32 * half));
+                        wt = SPLIT ? _mm256_and_si256(v, low4) : v;
+                        if (SPLIT) high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    } else {
+                        const __m256i v = _mm256_loadu_si256(
+                            (const __m256i *)(w->codes + ((p * blocks + b) * 4 + t / 2) * 64 + 32 * half));
+                        wt = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
+                        if (BITS == 5) {
+                            const __m256i masks = _mm256_broadcastsi128_si256(
+                                _mm_loadu_si128((const __m128i *)(w->high + ((p * blocks + b) * 4 + t / 2) * 16)));
+                            const __m256i spread = _mm256_shuffle_epi8(
+                                masks, _mm256_add_epi8(spread_bytes, _mm256_set1_epi8((char)(4 * half + 8 * (t % 2)))));
+                            wt = _mm256_or_si256(
+                                wt, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), fifth));
+                        }
+                    }
+                    low_pairs[half] = _mm256_add_epi16(low_pairs[half], _mm256_maddubs_epi16(wt, xv));
+                    if (SPLIT) high_pairs[half] = _mm256_add_epi16(high_pairs[half], _mm256_maddubs_epi16(high, xv));
+                }
+            }
+            for (int half = 0; half < 2; half++) {
+                sum[half] = _mm256_add_epi32(sum[half], widen_pairs(low_pairs[half]));
+                if (SPLIT) sum[half] = _mm256_add_epi32(sum[half], _mm256_slli_epi32(widen_pairs(high_pairs[half]), 4));
+            }
+        }
+        const __m256 x_scale = _mm256_set1_ps(*row_scales(x, i, BLOCK, b));
+        for (int half = 0; half < 2; half++) {
+            const long at = (p * blocks + b) * PANEL + 8 * half;
+            acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[half]), _mm256_mul_ps(_mm256_loadu_ps(w->scale + at), x_scale),
+                                        acc[half]);
+            if (w->minimum)
+                acc[half] = _mm256_fmadd_ps(_mm256_loadu_ps(w->minimum + at),
+                                            _mm256_set1_ps(x->scaled_sums[b * x->rows + i]), acc[half]);
+        }
+    }
+    for (int half = 0; half < 2; half++) _mm256_storeu_ps(y + i * ldy + p * PANEL + 8 * half, acc[half]);
+}
+
 #define PANELS_AVX2(BITS, BLOCK)                                                                                   \
     static void panels_##BITS##_##BLOCK(const block_weight *w, const quantized_rows *x, float *y, long ldy, long M, \
                                         long from, long first, long end) {                                         \
-        for (long p = first; p < end; p++)                                                                         \
-            for (int half = 0; half < 2; half++) {                                                                 \
-                if (BITS == 8 && w->largest_code < 64)                                                             \
-                    half_panel_avx2(BITS, BLOCK, 0, w, x, M, from, p, half, y, ldy);                               \
-                else                                                                                               \
-                    half_panel_avx2(BITS, BLOCK, BITS == 8, w, x, M, from, p, half, y, ldy);                       \
+        const int split = BITS == 8 && w->largest_code >= 64;                                                      \
+        for (long p = first; p < end; p++) {                                                                       \
+            if (M - from == 1) {                                                                                   \
+                if (split) panel_one_row_avx2(BITS, BLOCK, 1, w, x, from, p, y, ldy);                              \
+                else panel_one_row_avx2(BITS, BLOCK, 0, w, x, from, p, y, ldy);                                    \
+                continue;                                                                                          \
             }                                                                                                      \
+            for (int half = 0; half < 2; half++) {                                                                 \
+                if (split) half_panel_avx2(BITS, BLOCK, 1, w, x, M, from, p, half, y, ldy);                        \
+                else half_panel_avx2(BITS, BLOCK, 0, w, x, M, from, p, half, y, ldy);                              \
+            }                                                                                                      \
+        }                                                                                                          \
     }
 PANELS_AVX2(4, 32)
 PANELS_AVX2(5, 32)
