@@ -543,11 +543,13 @@ static inline __attribute__((always_inline)) void half_panel_avx2(const int BITS
     }
 }
 
-/* One activation row (a decoding step) through a whole panel: both halves at once, their sums and accumulators in
- * registers, each weight vector unpacked as it is used. The same operations per output as half_panel_avx2. */
-static inline __attribute__((always_inline)) void panel_one_row_avx2(const int BITS, const int BLOCK, const int SPLIT,
-                                                                    const block_weight *w, const quantized_rows *x,
-                                                                    long i, long p, float *y, long ldy) {
+/* One or two activation rows (a decoding step, a verification of two) through a whole panel: both halves at once,
+ * their sums and accumulators in registers, each weight vector unpacked as it is used. The same operations per
+ * output as half_panel_avx2. */
+static inline __attribute__((always_inline)) void panel_rows_avx2(const int R, const int BITS, const int BLOCK,
+                                                                 const int SPLIT, const block_weight *w,
+                                                                 const quantized_rows *x, long i0, long p, float *y,
+                                                                 long ldy) {
     const long K = w->cols, blocks = K / BLOCK;
     const int vectors = BLOCK / 4;
     const int run = BITS == 5 ? 4 : BITS == 8 && !SPLIT ? 2 : 8; /* as in half_panel_avx2 */
@@ -555,18 +557,21 @@ static inline __attribute__((always_inline)) void panel_one_row_avx2(const int B
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i spread_bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
                                                   2, 3, 3, 3, 3, 3, 3, 3, 3);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (long b = 0; b < blocks; b++) {
         prefetch_block(w, BITS, BLOCK, p * blocks + b + PREFETCH_BLOCKS);
-        const signed char *codes = row_codes(x, i, BLOCK, b);
-        const __m256i correction = w->offset ? _mm256_set1_epi32(x->corrections[b * x->rows + i])
-                                             : _mm256_setzero_si256();
-        __m256i sum[2] = {correction, correction};
+        __m256i sum[2][2];
+        for (int r = 0; r < R; r++)
+            sum[r][0] = sum[r][1] = w->offset ? _mm256_set1_epi32(x->corrections[b * x->rows + i0 + r])
+                                              : _mm256_setzero_si256();
         for (int first = 0; first < vectors; first += run) {
-            __m256i low_pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, high_pairs[2] = {low_pairs[0],
-                                                                                                        low_pairs[1]};
+            __m256i low_pairs[2][2], high_pairs[2][2];
+            for (int r = 0; r < R; r++)
+                low_pairs[r][0] = low_pairs[r][1] = high_pairs[r][0] = high_pairs[r][1] = _mm256_setzero_si256();
             for (int t = first; t < first + run && t < vectors; t++) {
-                const __m256i xv = broadcast4(codes + 4 * t);
+                __m256i xv[2];
+                for (int r = 0; r < R; r++) xv[r] = broadcast4(row_codes(x, i0 + r, BLOCK, b) + 4 * t);
                 for (int half = 0; half < 2; half++) {
                     __m256i wt, high = _mm256_setzero_si256();
                     if (BITS == 8) {
@@ -587,26 +592,36 @@ static inline __attribute__((always_inline)) void panel_one_row_avx2(const int B
                                 wt, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), fifth));
                         }
                     }
-                    low_pairs[half] = _mm256_add_epi16(low_pairs[half], _mm256_maddubs_epi16(wt, xv));
-                    if (SPLIT) high_pairs[half] = _mm256_add_epi16(high_pairs[half], _mm256_maddubs_epi16(high, xv));
+                    for (int r = 0; r < R; r++) {
+                        low_pairs[r][half] = _mm256_add_epi16(low_pairs[r][half], _mm256_maddubs_epi16(wt, xv[r]));
+                        if (SPLIT)
+                            high_pairs[r][half] = _mm256_add_epi16(high_pairs[r][half],
+                                                                   _mm256_maddubs_epi16(high, xv[r]));
+                    }
                 }
             }
+            for (int r = 0; r < R; r++)
+                for (int half = 0; half < 2; half++) {
+                    sum[r][half] = _mm256_add_epi32(sum[r][half], widen_pairs(low_pairs[r][half]));
+                    if (SPLIT)
+                        sum[r][half] = _mm256_add_epi32(sum[r][half],
+                                                        _mm256_slli_epi32(widen_pairs(high_pairs[r][half]), 4));
+                }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 x_scale = _mm256_set1_ps(*row_scales(x, i0 + r, BLOCK, b));
             for (int half = 0; half < 2; half++) {
-                sum[half] = _mm256_add_epi32(sum[half], widen_pairs(low_pairs[half]));
-                if (SPLIT) sum[half] = _mm256_add_epi32(sum[half], _mm256_slli_epi32(widen_pairs(high_pairs[half]), 4));
+                const long at = (p * blocks + b) * PANEL + 8 * half;
+                acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][half]),
+                                               _mm256_mul_ps(_mm256_loadu_ps(w->scale + at), x_scale), acc[r][half]);
+                if (w->minimum)
+                    acc[r][half] = _mm256_fmadd_ps(_mm256_loadu_ps(w->minimum + at),
+                                                   _mm256_set1_ps(x->scaled_sums[b * x->rows + i0 + r]), acc[r][half]);
             }
         }
-        const __m256 x_scale = _mm256_set1_ps(*row_scales(x, i, BLOCK, b));
-        for (int half = 0; half < 2; half++) {
-            const long at = (p * blocks + b) * PANEL + 8 * half;
-            acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[half]), _mm256_mul_ps(_mm256_loadu_ps(w->scale + at), x_scale),
-                                        acc[half]);
-            if (w->minimum)
-                acc[half] = _mm256_fmadd_ps(_mm256_loadu_ps(w->minimum + at),
-                                            _mm256_set1_ps(x->scaled_sums[b * x->rows + i]), acc[half]);
-        }
     }
-    for (int half = 0; half < 2; half++) _mm256_storeu_ps(y + i * ldy + p * PANEL + 8 * half, acc[half]);
+    for (int r = 0; r < R; r++)
+        for (int half = 0; half < 2; half++) _mm256_storeu_ps(y + (i0 + r) * ldy + p * PANEL + 8 * half, acc[r][half]);
 }
 
 #define PANELS_AVX2(BITS, BLOCK)                                                                                   \
@@ -614,9 +629,11 @@ static inline __attribute__((always_inline)) void panel_one_row_avx2(const int B
                                         long from, long first, long end) {                                         \
         const int split = BITS == 8 && w->largest_code >= 64;                                                      \
         for (long p = first; p < end; p++) {                                                                       \
-            if (M - from == 1) {                                                                                   \
-                if (split) panel_one_row_avx2(BITS, BLOCK, 1, w, x, from, p, y, ldy);                              \
-                else panel_one_row_avx2(BITS, BLOCK, 0, w, x, from, p, y, ldy);                                    \
+            if (M - from <= 2) { /* a step, or a verification of two */                                           \
+                if (M - from == 1 && split) panel_rows_avx2(1, BITS, BLOCK, 1, w, x, from, p, y, ldy);             \
+                else if (M - from == 1) panel_rows_avx2(1, BITS, BLOCK, 0, w, x, from, p, y, ldy);                 \
+                else if (split) panel_rows_avx2(2, BITS, BLOCK, 1, w, x, from, p, y, ldy);                         \
+                else panel_rows_avx2(2, BITS, BLOCK, 0, w, x, from, p, y, ldy);                                    \
                 continue;                                                                                          \
             }                                                                                                      \
             for (int half = 0; half < 2; half++) {                                                                 \
