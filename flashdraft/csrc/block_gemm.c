@@ -469,55 +469,57 @@ static inline __m256i broadcast4(const signed char *p) { return _mm256_set1_epi3
 
 static inline __m256i widen_pairs(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 
+/* A maddubs pair of codes up to c with activation codes within +-127 stays within 2 * 127 * c, so that 8 pairs' sums
+ * of 4-bit codes, 4 of 5-bit codes or 2 of 6-bit codes (Q6_K's, in bytes) fit int16 exactly: summed there, they need
+ * one widening to int32 a run of this many weight vectors instead of one a vector. Other 8-bit codes go in two 4-bit
+ * halves (SPLIT). */
+static inline int int16_run(const int BITS, const int SPLIT) { return BITS == 5 ? 4 : BITS == 8 && !SPLIT ? 2 : 8; }
+
+/* Weight vector t of block b of panel p for this half's 8 rows, 4 codes each: the codes, or with SPLIT the low
+ * nibbles of 8-bit codes (and their high nibbles in *high). A 5-bit code's fifth bit, for byte k of the vector, is
+ * bit k % 8 of byte 4 half + k / 8 of the group's first mask (the low nibbles' codes, t even) or of its second. */
+static inline __attribute__((always_inline)) __m256i weight_vector_avx2(const int BITS, const int BLOCK,
+                                                                       const int SPLIT, const block_weight *w,
+                                                                       long p, long b, int t, int half,
+                                                                       __m256i *high) {
+    const long K = w->cols, blocks = K / BLOCK;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (BITS == 8) {
+        const __m256i v = _mm256_loadu_si256(
+            (const __m256i *)(w->codes + (p * (K / 4) + b * (BLOCK / 4) + t) * 64 + 32 * half));
+        if (!SPLIT) return v;
+        *high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        return _mm256_and_si256(v, low4);
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(w->codes + ((p * blocks + b) * 4 + t / 2) * 64 + 32 * half));
+    __m256i codes = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
+    if (BITS == 5) {
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i masks = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(w->high + ((p * blocks + b) * 4 + t / 2) * 16)));
+        const __m256i spread = _mm256_shuffle_epi8(
+            masks, _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                                    2, 3, 3, 3, 3, 3, 3, 3, 3),
+                                   _mm256_set1_epi8((char)(4 * half + 8 * (t % 2)))));
+        codes = _mm256_or_si256(codes, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                                                         _mm256_set1_epi8(16)));
+    }
+    return codes;
+}
+
 static inline __attribute__((always_inline)) void half_panel_avx2(const int BITS, const int BLOCK, const int SPLIT,
                                                                  const block_weight *w, const quantized_rows *x,
                                                                  long M, long from, long p, int half, float *y,
                                                                  long ldy) {
-    const long K = w->cols, blocks = K / BLOCK;
-    const int vectors = BLOCK / 4;
-    /* A maddubs pair of codes up to c with activation codes within +-127 stays within 2 * 127 * c, so that 8 pairs'
-     * sums of 4-bit codes, 4 of 5-bit codes or 2 of 6-bit codes (Q6_K's, in bytes) fit int16 exactly: summed there,
-     * they need one widening to int32 a run instead of one a vector. Other 8-bit codes go in two 4-bit halves
-     * (SPLIT). */
-    const int run = BITS == 5 ? 4 : BITS == 8 && !SPLIT ? 2 : 8;
-    const __m256i low4 = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
-    /* 5-bit codes: byte k of this half's vector takes its fifth bit from byte 4 half + k / 8 of the group's first
-     * mask (the low nibbles' codes) or of its second (the high nibbles'), bit k % 8 */
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i from_first = _mm256_add_epi8(_mm256_set1_epi8((char)(4 * half)),
-                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
-                                                                2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i from_second = _mm256_add_epi8(from_first, _mm256_set1_epi8(8));
+    const long blocks = w->cols / BLOCK;
+    const int vectors = BLOCK / 4, run = int16_run(BITS, SPLIT);
     for (long b = 0; b < blocks; b++) {
         if (half == 0) prefetch_block(w, BITS, BLOCK, p * blocks + b + PREFETCH_BLOCKS); /* half 1 reads it again */
-        /* the block's codes for this half's 8 rows: [t] 4 codes each (split 8-bit codes' low nibbles), [8 + t] split
-         * codes' high nibbles */
+        /* the block's codes for this half's 8 rows: [t] as weight_vector_avx2 gives them, [8 + t] split codes' high
+         * nibbles */
         __m256i unpacked[16];
-        if (BITS == 8) {
-            const unsigned char *c = w->codes + (p * (K / 4) + b * (BLOCK / 4)) * 64 + 32 * half;
-            for (int t = 0; t < vectors; t++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * t));
-                unpacked[t] = SPLIT ? _mm256_and_si256(v, low4) : v;
-                if (SPLIT) unpacked[8 + t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            }
-        } else {
-            const unsigned char *c = w->codes + (p * blocks + b) * 4 * 64 + 32 * half;
-            for (int g = 0; g < 4; g++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * g));
-                unpacked[2 * g] = _mm256_and_si256(v, low4);
-                unpacked[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                if (BITS == 5) {
-                    const __m256i masks = _mm256_broadcastsi128_si256(
-                        _mm_loadu_si128((const __m128i *)(w->high + ((p * blocks + b) * 4 + g) * 16)));
-                    for (int second = 0; second < 2; second++) {
-                        const __m256i spread = _mm256_shuffle_epi8(masks, second ? from_second : from_first);
-                        unpacked[2 * g + second] = _mm256_or_si256(
-                            unpacked[2 * g + second],
-                            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), fifth));
-                    }
-                }
-            }
-        }
+        for (int t = 0; t < vectors; t++) unpacked[t] = weight_vector_avx2(BITS, BLOCK, SPLIT, w, p, b, t, half,
+                                                                           &unpacked[8 + t]);
         const __m256 scale = _mm256_loadu_ps(w->scale + (p * blocks + b) * PANEL + 8 * half);
         const __m256 minimum = w->minimum ? _mm256_loadu_ps(w->minimum + (p * blocks + b) * PANEL + 8 * half) : scale;
         for (long i = from; i < M; i++) {
@@ -550,13 +552,8 @@ static inline __attribute__((always_inline)) void panel_rows_avx2(const int R, c
                                                                  const int SPLIT, const block_weight *w,
                                                                  const quantized_rows *x, long i0, long p, float *y,
                                                                  long ldy) {
-    const long K = w->cols, blocks = K / BLOCK;
-    const int vectors = BLOCK / 4;
-    const int run = BITS == 5 ? 4 : BITS == 8 && !SPLIT ? 2 : 8; /* as in half_panel_avx2 */
-    const __m256i low4 = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i spread_bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
-                                                  2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const long blocks = w->cols / BLOCK;
+    const int vectors = BLOCK / 4, run = int16_run(BITS, SPLIT);
     __m256 acc[2][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (long b = 0; b < blocks; b++) {
@@ -573,25 +570,8 @@ static inline __attribute__((always_inline)) void panel_rows_avx2(const int R, c
                 __m256i xv[2];
                 for (int r = 0; r < R; r++) xv[r] = broadcast4(row_codes(x, i0 + r, BLOCK, b) + 4 * t);
                 for (int half = 0; half < 2; half++) {
-                    __m256i wt, high = _mm256_setzero_si256();
-                    if (BITS == 8) {
-                        const __m256i v = _mm256_loadu_si256(
-                            (const __m256i *)(w->codes + (p * (K / 4) + b * (BLOCK / 4) + t) * 64 + 32 * half));
-                        wt = SPLIT ? _mm256_and_si256(v, low4) : v;
-                        if (SPLIT) high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                    } else {
-                        const __m256i v = _mm256_loadu_si256(
-                            (const __m256i *)(w->codes + ((p * blocks + b) * 4 + t / 2) * 64 + 32 * half));
-                        wt = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
-                        if (BITS == 5) {
-                            const __m256i masks = _mm256_broadcastsi128_si256(
-                                _mm_loadu_si128((const __m128i *)(w->high + ((p * blocks + b) * 4 + t / 2) * 16)));
-                            const __m256i spread = _mm256_shuffle_epi8(
-                                masks, _mm256_add_epi8(spread_bytes, _mm256_set1_epi8((char)(4 * half + 8 * (t % 2)))));
-                            wt = _mm256_or_si256(
-                                wt, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), fifth));
-                        }
-                    }
+                    __m256i high = _mm256_setzero_si256();
+                    const __m256i wt = weight_vector_avx2(BITS, BLOCK, SPLIT, w, p, b, t, half, &high);
                     for (int r = 0; r < R; r++) {
                         low_pairs[r][half] = _mm256_add_epi16(low_pairs[r][half], _mm256_maddubs_epi16(wt, xv[r]));
                         if (SPLIT)
