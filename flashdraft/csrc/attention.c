@@ -10,95 +10,102 @@
 #include "kernels.h"
 #include "vectors.h"
 
-#define MAX_HEAD_VECTORS 8 /* head_dim 64 or 128: vectors of 16 floats, a constant in each compiled copy */
-#define TILE_QUERIES 4      /* queries that share each key and value read */
+#define KEYS REGISTER_LANES /* keys scored at once: one register's lanes (rvec, vectors.h) */
+#define MAX_HEAD_VECTORS (128 / REGISTER_LANES) /* head_dim 64 or 128, a constant in each compiled copy */
+#define TILE_QUERIES 4 /* queries that share each key and value read */
 
-/* Lane t of the result = the sum of the lanes of d[t], for 16 vectors at once: a tree of shuffles and adds (15 of
- * each, against ~6 per vector one at a time). The tree leaves the sums in bit-reversed lane order, so the caller
- * stores the vector for key t in d[REVERSED[t]]. */
-static const int REVERSED[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+/* Lane t of the result = the sum of the lanes of d[t], for a register's worth of vectors at once: a tree of
+ * shuffles and adds (one per lane of each, against ~6 per vector one at a time). With 16 lanes the two 8-lane halves
+ * of each vector are added first; then, at either width, 4-lane halves, pairs, single lanes. The tree leaves the sums
+ * in bit-reversed lane order, so the caller stores the vector for key t in d[REVERSED[t]]. */
+#ifdef WHOLE_VECTORS
+static const int REVERSED[KEYS] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+static const rvec KEY_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+static const int REVERSED[KEYS] = {0, 4, 2, 6, 1, 5, 3, 7};
+static const rvec KEY_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 
-#define SUMS_OF_16(NAME, TYPE)                                                                                    \
-    static inline TYPE NAME(const TYPE *d) {                                                                      \
-        TYPE e[8], f[4], g[2];                                                                                    \
-        for (int k = 0; k < 8; k++)                                                                               \
-            e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, \
-                                           22, 23) +                                                              \
-                   __builtin_shufflevector(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,   \
-                                           28, 29, 30, 31);                                                       \
-        for (int k = 0; k < 4; k++)                                                                               \
-            f[k] = __builtin_shufflevector(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24,   \
-                                           25, 26, 27) +                                                          \
-                   __builtin_shufflevector(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, \
-                                           29, 30, 31);                                                           \
-        for (int k = 0; k < 2; k++)                                                                               \
-            g[k] = __builtin_shufflevector(f[2 * k], f[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,   \
-                                           13, 28, 29) +                                                          \
-                   __builtin_shufflevector(f[2 * k], f[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, \
-                                           15, 30, 31);                                                           \
-        return __builtin_shufflevector(g[0], g[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +   \
-               __builtin_shufflevector(g[0], g[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);    \
-    }
-SUMS_OF_16(sums_of_16, vec)
-
-static const vec LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static inline rvec sums_of_lanes(const rvec *d) {
+    rvec e[8], f[4], g[2];
+    for (int k = 0; k < 8; k++)
+#ifdef WHOLE_VECTORS /* the halves of d[2k] added, then those of d[2k + 1] */
+        e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+#else
+        e[k] = d[k];
+#endif
+    for (int k = 0; k < 4; k++)
+        f[k] = SHUFFLE_HALVES(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               SHUFFLE_HALVES(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int k = 0; k < 2; k++)
+        g[k] = SHUFFLE_HALVES(f[2 * k], f[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUFFLE_HALVES(f[2 * k], f[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE_HALVES(g[0], g[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE_HALVES(g[0], g[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
 
 /* Up to TILE_QUERIES query heads that read the same key/value head, against its cached keys and values
  * ([position, head_dim] rows): query r sees keys 0..limit[r]-1. softmax(q k^T * scale) v by the online softmax over
- * chunks of LANES keys (the running maximum rescales what was summed before), so no score buffer grows with the
+ * chunks of KEYS keys (the running maximum rescales what was summed before), so no score buffer grows with the
  * context; each key and value row is read once for all the tile's queries. */
-static inline __attribute__((always_inline)) void attend_tile(const int MQ, const int VECTORS, const float *const *q,
+static inline __attribute__((always_inline)) void attend_tile(const int MQ, const int HEAD_DIM, const float *const *q,
                                                               const float *k, const float *v, float *const *out,
                                                               const long *limit, float scale) {
-    const long vectors = VECTORS, head_dim = VECTORS * LANES;
-    vec query[TILE_QUERIES][MAX_HEAD_VECTORS], acc[TILE_QUERIES][MAX_HEAD_VECTORS];
+    const long vectors = HEAD_DIM / REGISTER_LANES;
+    rvec query[TILE_QUERIES][MAX_HEAD_VECTORS], acc[TILE_QUERIES][MAX_HEAD_VECTORS];
     float running_max[TILE_QUERIES], total[TILE_QUERIES];
     long keys = 0;
     for (int r = 0; r < MQ; r++) {
         for (long d = 0; d < vectors; d++) {
-            query[r][d] = load(q[r] + d * LANES) * scale;
-            acc[r][d] = (vec){0};
+            query[r][d] = load_register(q[r] + d * REGISTER_LANES) * scale;
+            acc[r][d] = (rvec){0};
         }
         running_max[r] = -__builtin_inff();
         total[r] = 0.0f;
         keys = limit[r] > keys ? limit[r] : keys;
     }
-    for (long first = 0; first < keys; first += LANES) {
-        const long count = keys - first < LANES ? keys - first : LANES;
-        vec dots[TILE_QUERIES][LANES];
-        for (long t = 0; t < LANES; t++) {
-            const float *key = k + (first + (t < count ? t : 0)) * head_dim;
-            for (int r = 0; r < MQ; r++) dots[r][REVERSED[t]] = query[r][0] * load(key);
+    for (long first = 0; first < keys; first += KEYS) {
+        const long count = keys - first < KEYS ? keys - first : KEYS;
+        rvec dots[TILE_QUERIES][KEYS];
+        for (long t = 0; t < KEYS; t++) {
+            const float *key = k + (first + (t < count ? t : 0)) * HEAD_DIM;
+            for (int r = 0; r < MQ; r++) dots[r][REVERSED[t]] = query[r][0] * load_register(key);
             for (long d = 1; d < vectors; d++) {
-                const vec kd = load(key + d * LANES);
+                const rvec kd = load_register(key + d * REGISTER_LANES);
                 for (int r = 0; r < MQ; r++) dots[r][REVERSED[t]] += query[r][d] * kd;
             }
         }
-        vec weights[TILE_QUERIES];
+        float weights[TILE_QUERIES][KEYS];
         for (int r = 0; r < MQ; r++) {
-            vec scores = sums_of_16(dots[r]);
-            if (limit[r] - first < LANES) /* keys of this chunk that query r does not see */
-                scores = select_lanes(LANE_INDEX >= (float)(limit[r] - first), (vec){0} - __builtin_inff(), scores);
-            const float chunk_max = lane_max(scores);
+            rvec scores = sums_of_lanes(dots[r]);
+            if (limit[r] - first < KEYS) /* keys of this chunk that query r does not see */
+                scores = select_register(KEY_INDEX >= (float)(limit[r] - first), (rvec){0} - __builtin_inff(), scores);
+            const float chunk_max = register_lane_max(scores);
             if (chunk_max > running_max[r]) {
-                const float rescale = exp_lanes((vec){0} + (running_max[r] - chunk_max))[0];
+                const float rescale = exp_register((rvec){0} + (running_max[r] - chunk_max))[0];
                 for (long d = 0; d < vectors; d++) acc[r][d] *= rescale;
                 total[r] *= rescale;
                 running_max[r] = chunk_max;
             }
-            weights[r] = exp_lanes(scores - running_max[r]); /* 0 where the score is -inf */
-            total[r] += lane_sum(weights[r]);
+            const rvec weight = exp_register(scores - running_max[r]); /* 0 where the score is -inf */
+            store_register(weights[r], weight);
+            total[r] += register_lane_sum(weight);
         }
-        for (long t = 0; t < count; t++) {
-            const float *value = v + (first + t) * head_dim;
-            for (long d = 0; d < vectors; d++) {
-                const vec vd = load(value + d * LANES);
-                for (int r = 0; r < MQ; r++) acc[r][d] += weights[r][t] * vd;
+        /* Each slice of the output in registers over the chunk's values (the same sums, key by key, as any order
+         * of the loops: one running sum per lane) */
+        for (long d = 0; d < vectors; d++) {
+            rvec sums[TILE_QUERIES];
+            for (int r = 0; r < MQ; r++) sums[r] = acc[r][d];
+            for (long t = 0; t < count; t++) {
+                const rvec vd = load_register(v + (first + t) * HEAD_DIM + d * REGISTER_LANES);
+                for (int r = 0; r < MQ; r++) sums[r] += weights[r][t] * vd;
             }
+            for (int r = 0; r < MQ; r++) acc[r][d] = sums[r];
         }
     }
     for (int r = 0; r < MQ; r++)
-        for (long d = 0; d < vectors; d++) store(out[r] + d * LANES, acc[r][d] / total[r]);
+        for (long d = 0; d < vectors; d++) store_register(out[r] + d * REGISTER_LANES, acc[r][d] / total[r]);
 }
 
 /* Causal attention for the few queries of a decoding step over a cache laid out [batch, kv_heads, capacity,
@@ -145,16 +152,16 @@ void causal_attention(const float *q, const float *k, const float *v, float *out
         }
         const float *keys = k + ((b * kv_heads + kv) * capacity + begin) * head_dim;
         const float *values = v + ((b * kv_heads + kv) * capacity + begin) * head_dim;
-        const int shape = count * 10 + (int)(head_dim / LANES); /* one compiled copy per (queries, head_dim) */
+        const int shape = count * 1000 + (int)head_dim; /* one compiled copy per (queries, head_dim) */
         switch (shape) {
-        case 44: attend_tile(4, 4, queries, keys, values, outs, limits, scale); break;
-        case 34: attend_tile(3, 4, queries, keys, values, outs, limits, scale); break;
-        case 24: attend_tile(2, 4, queries, keys, values, outs, limits, scale); break;
-        case 14: attend_tile(1, 4, queries, keys, values, outs, limits, scale); break;
-        case 48: attend_tile(4, 8, queries, keys, values, outs, limits, scale); break;
-        case 38: attend_tile(3, 8, queries, keys, values, outs, limits, scale); break;
-        case 28: attend_tile(2, 8, queries, keys, values, outs, limits, scale); break;
-        case 18: attend_tile(1, 8, queries, keys, values, outs, limits, scale); break;
+        case 4064: attend_tile(4, 64, queries, keys, values, outs, limits, scale); break;
+        case 3064: attend_tile(3, 64, queries, keys, values, outs, limits, scale); break;
+        case 2064: attend_tile(2, 64, queries, keys, values, outs, limits, scale); break;
+        case 1064: attend_tile(1, 64, queries, keys, values, outs, limits, scale); break;
+        case 4128: attend_tile(4, 128, queries, keys, values, outs, limits, scale); break;
+        case 3128: attend_tile(3, 128, queries, keys, values, outs, limits, scale); break;
+        case 2128: attend_tile(2, 128, queries, keys, values, outs, limits, scale); break;
+        case 1128: attend_tile(1, 128, queries, keys, values, outs, limits, scale); break;
         }
     }
 }
