@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import flashdraft  # noqa: E402
 from flashdraft.engine import KERNEL_ROWS, interleaved_seconds, unsupported_reason  # noqa: E402
 from flashdraft.evaluation.datasets import get_dataset  # noqa: E402
-from flashdraft.models import load_draft, load_target  # noqa: E402
+from flashdraft.models import load_draft, load_target, shipped_draft  # noqa: E402
 from flashdraft.proposals import DFlashProposer  # noqa: E402
 from flashdraft.sampling import SamplingParams  # noqa: E402
 from flashdraft.target import TargetModel  # noqa: E402
@@ -41,7 +41,7 @@ from flashdraft.text import encode_chat  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
-    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the target's shipped draft)")
     parser.add_argument("--dataset", default="humaneval", help="evaluation set the prompts come from")
     parser.add_argument("--prompts", type=int, default=6, help="prompts for plain decoding")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per plain decoding")
@@ -110,7 +110,7 @@ def main() -> None:
             adapter.rollback(caches[name], n)
         return run
 
-    draft = load_draft(args.draft)
+    draft = load_draft(str(args.draft or shipped_draft(args.target, model.config)))
     proposer = DFlashProposer(draft, target)
     features = torch.randn(1, context + 1, len(draft.target_layer_ids) * target.hidden_size)
     anchor = torch.zeros(1, dtype=torch.long)

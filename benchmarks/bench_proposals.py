@@ -26,13 +26,14 @@ choose_thread_waiting()  # as the CLI does, before torch loads
 import flashdraft  # noqa: E402
 from flashdraft import proposals  # noqa: E402
 from flashdraft.evaluation.datasets import get_dataset  # noqa: E402
+from flashdraft.models import shipped_draft  # noqa: E402
 from flashdraft.text import encode_chat, stop_token_ids  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
-    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the target's shipped draft)")
     parser.add_argument("--dataset", default="humaneval", help="evaluation set the prompts come from")
     parser.add_argument("--prompts", type=int, default=6, help="prompts (first turns)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most")
@@ -41,7 +42,10 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = flashdraft.load_target(args.target)
-    draft = flashdraft.load_draft(args.draft)
+    folder = args.draft or shipped_draft(args.target, model.config)
+    if folder is None:
+        raise SystemExit(f"no draft is shipped for {args.target}: pass --draft FOLDER")
+    draft = flashdraft.load_draft(str(folder))
     settings = {"max_new_tokens": args.max_new_tokens, "stop_token_ids": stop_token_ids(model, tokenizer)}
     methods = {
         "plain": lambda ids: flashdraft.generate(model, None, ids, block_size=1, **settings),

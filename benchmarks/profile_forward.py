@@ -22,7 +22,7 @@ choose_thread_waiting()  # as the CLI does, before torch loads
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from flashdraft.models import load_draft, load_target  # noqa: E402
+from flashdraft.models import load_draft, load_target, shipped_draft  # noqa: E402
 from flashdraft.proposals import DFlashProposer  # noqa: E402
 from flashdraft.target import TargetModel  # noqa: E402
 
@@ -103,7 +103,7 @@ def report(title: str, run, repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="registry name or model folder")
-    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the target's shipped draft)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16], help="tokens per target forward")
     parser.add_argument("--context", type=int, default=128, help="cached tokens before each forward")
     parser.add_argument("--repeats", type=int, default=20, help="profiled calls per measurement")
@@ -129,7 +129,7 @@ def main() -> None:
 
         report(f"target forward, {n} token(s)", verify, args.repeats)
 
-    draft = load_draft(args.draft)
+    draft = load_draft(str(args.draft or shipped_draft(args.target, model.config)))
     proposer = DFlashProposer(draft, target)
     handles += label_modules(draft, proposer.head)
     width = len(draft.target_layer_ids) * target.hidden_size

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from flashdraft.evaluation.datasets import DATASETS
 from flashdraft.evaluation.replay import cached_greedy_answers, replay, replay_text
-from flashdraft.models import DEFAULT_TARGET, load_draft, load_target
+from flashdraft.models import DEFAULT_TARGET, load_draft, load_target, shipped_draft
 from flashdraft.proposals import DFlashProposer
 from flashdraft.target import TargetModel
 from flashdraft.text import encode_chat, stop_token_ids
@@ -23,7 +23,7 @@ from flashdraft.text import encode_chat, stop_token_ids
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft)")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the target's shipped draft)")
     parser.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"], choices=list(DATASETS))
     parser.add_argument("--num-samples", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -34,7 +34,7 @@ def main() -> None:
                         "kernel measurement first (default: transformers)")
     args = parser.parse_args()
     target, tokenizer = load_target(args.target, engine=args.engine)
-    draft = load_draft(args.draft)
+    draft = load_draft(str(args.draft or shipped_draft(args.target, target.config)))
     adapter = TargetModel(target)
     proposer = DFlashProposer(draft, adapter)
     stops = stop_token_ids(target, tokenizer)

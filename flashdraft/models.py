@@ -251,21 +251,26 @@ def load_target(
 
 
 @_transformers_bars_off()
-def load_draft(path: str | None, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def load_draft(path: str | None, *, target: str = DEFAULT_TARGET, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None):
     """Load a DFlash draft (a `DFlashDraftModel`) in eval mode on `device`, in `dtype` (None: float32).
 
-    `path` is a draft folder or hub id; None loads the draft shipped in the package for the default target.
+    `path` is a draft folder or hub id; None loads the draft shipped in the package for `target` (a registry name;
+    default: the default target).
     """
     import torch
 
     from flashdraft.draft import DFlashDraftModel  # imported here: loading targets must not need the draft code
 
     if path is None:
-        shipped = _SHIPPED_DRAFTS / DEFAULT_TARGET
-        if not shipped.is_dir():
+        if target not in REGISTRY:
+            raise ValueError(f"drafts are shipped for registry targets only, not {target!r} (registry: "
+                             f"{', '.join(REGISTRY)}): pass a draft folder")
+        shipped = _SHIPPED_DRAFTS / target
+        if not (shipped / "config.json").is_file():
             raise FileNotFoundError(
-                f"no draft is shipped for {DEFAULT_TARGET} yet (expected {shipped}): pass a draft folder "
-                "(--draft PATH on the command line)."
+                f"no draft is shipped for {target} yet (expected {shipped}): pass a draft folder "
+                f"(--draft PATH on the command line), or train one: flashdraft train --target {target}"
             )
         path = str(shipped)
     dtype = torch.float32 if dtype is None else dtype

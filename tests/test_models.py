@@ -401,6 +401,17 @@ def test_load_draft_without_a_shipped_draft_says_to_pass_one(monkeypatch, tmp_pa
         load_draft(None)
 
 
+def test_load_draft_takes_the_draft_shipped_for_the_named_target():
+    draft = load_draft(None, target="qwen2.5-coder-0.5b-instruct")
+    assert draft.config.hidden_size == 896 and draft.config.num_target_layers == 24
+    assert load_draft(None).config.hidden_size == 576  # the default target's
+
+
+def test_load_draft_for_a_target_outside_the_registry_says_to_pass_a_folder():
+    with pytest.raises(ValueError, match=r"registry targets only, not 'my/model'.*pass a draft folder"):
+        load_draft(None, target="my/model")
+
+
 def test_load_draft_from_a_folder_and_from_the_shipped_location(tiny, tmp_path, monkeypatch):
     from flashdraft import DFlashDraftModel
 
