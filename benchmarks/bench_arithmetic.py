@@ -110,8 +110,8 @@ def main() -> None:
         print("\n| arithmetic | draft pass | draft pass / T(1) |\n|---|---:|---:|")
         for name in ARITHMETICS:
             print(f"| {name} | {passes[name] * 1e3:.2f} ms | {passes[name] / seconds[(name, 1)]:.2f} |")
-    samples = [*get_dataset("humaneval").load(args.prompts - args.prompts // 2),
-               *get_dataset("mt-bench").load(args.prompts // 2)]
+    halves = {"humaneval": args.prompts - args.prompts // 2, "mt-bench": args.prompts // 2}
+    samples = [sample for name, count in halves.items() if count for sample in get_dataset(name).load(count)]
     speeds = {name: [] for name in ARITHMETICS}
     same = 0
     for sample in samples:

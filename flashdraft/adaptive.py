@@ -53,15 +53,30 @@ class VerifyCosts:
         return self.seconds[high] + (n - high) * (self.seconds[high] - self.seconds[low]) / (high - low)
 
 
-def measure_verify_costs(
-    target: TargetModel, max_size: int, context_length: int = 128, repeats: int = 5, every_size: bool = False
-) -> VerifyCosts:
-    """Time target forwards of each size up to `max_size` after a cached context: the sizes of `MEASURED_SIZES`,
-    or every size from 1 with `every_size` (the full cost curve). The sizes run in turns, and each keeps its least
-    time over `repeats` turns: other processes only ever add time, and measured one size after another a change of
-    load in between would bend the curve (seen here: a 2-token round priced above a 3-token one)."""
+def measure_round_costs(
+    target: TargetModel, proposer=None, max_size: int = 8, context_length: int = 128, repeats: int = 9,
+    every_size: bool = False,
+) -> tuple[VerifyCosts, float]:
+    """The target's forward over n new tokens after a cached context, for the sizes of `MEASURED_SIZES` up to
+    `max_size` (every size from 1 with `every_size`: the full cost curve), and one drafting pass of `proposer` as a
+    round of decoding runs it (0.0 without one).
+
+    Every size and the draft pass run in each of `repeats` turns, in a shuffled order, and each is priced by its
+    median ratio to the one-token forward of the same turn, times that forward's median: what matters is the ratios,
+    and on a shared host the load changes between turns, not within one. (Measured one size after another, a change
+    of load in between bent the curve: a 2-token round priced above a 3-token one. The least of five turns each
+    followed every size's own quiet moment: a one-token forward slowed through all its turns priced a 3-token round
+    at 1.31 steps where decoding paid 1.6-1.8.)
+
+    The draft pass runs at the proposer's own block size when it has a smaller one (a draft beside the lookup drafts
+    its own block in rounds up to `max_size`), after a context of `context_length` random features it has already
+    read, on ROUND_CONTEXT new ones, and right after a one-token target forward, which takes the caches from the
+    draft's weights as a round's verification does (timed back to back it cost 0.30 of a step where decoding paid
+    0.40 on an AVX2 CPU). (A pass that reads the whole context first, as the first round after the prefill does,
+    cost 2.5 times a round's on Qwen2.5-Coder-0.5B's draft, and priced so the draft drafted in a fifth of the rounds
+    it pays in.)"""
     measured = range(1, max_size + 1) if every_size else MEASURED_SIZES
-    sizes = sorted({n for n in measured if n <= max_size} | {max_size})
+    sizes = sorted({n for n in measured if n <= max_size} | {1, max_size})
     ids = torch.randint(0, target.vocab_size, (1, context_length + max_size), device=target.device)
     positions = torch.arange(context_length + max_size, device=target.device)[None]
     cache = target.new_cache()
@@ -73,34 +88,41 @@ def measure_verify_costs(
         synchronize(target.device)
         target.rollback(cache, n)
 
-    seconds = interleaved_seconds({n: partial(verify, n) for n in sizes}, repeats)
-    return VerifyCosts(seconds)
+    works: dict = {n: partial(verify, n) for n in sizes}
+    passes: list[float] = []
+    if proposer is not None:
+        works["draft"] = partial(_draft_round, proposer, target, max_size, context_length, partial(verify, 1), passes)
+    turns = interleaved_seconds(works, repeats, list)
+    if passes:
+        turns["draft"] = passes[1:]  # the first turn warms up
+    step = statistics.median(turns[1])
+    ratio = {key: statistics.median(t / t1 for t, t1 in zip(times, turns[1])) for key, times in turns.items()}
+    return VerifyCosts({n: step * ratio[n] for n in sizes}), step * ratio["draft"] if passes else 0.0
 
 
-def measure_draft_seconds(proposer, target: TargetModel, block_size: int, context_length: int = 128,
-                          repeats: int = 3) -> float:
-    """Time one drafting pass of `proposer` as a round of decoding runs it (median of `repeats`), at its own block
-    size when it has a smaller one (a draft beside the lookup drafts its own block in rounds up to `block_size`):
-    after a context of `context_length` random features the draft has already read, with ROUND_CONTEXT new ones.
-    (A pass that reads the whole context first, as the first round after the prefill does, cost 2.5 times a
-    round's on Qwen2.5-Coder-0.5B's draft, and priced so the draft drafted in a fifth of the rounds it pays in.)"""
-    block_size = min(block_size, getattr(proposer, "block_size", None) or block_size)
+def measure_verify_costs(target: TargetModel, max_size: int, context_length: int = 128, repeats: int = 9,
+                         every_size: bool = False) -> VerifyCosts:
+    """`measure_round_costs` without a draft: the target's forward costs alone."""
+    return measure_round_costs(target, None, max_size, context_length, repeats, every_size)[0]
+
+
+def _draft_round(proposer, target: TargetModel, max_size: int, context_length: int, step, passes: list[float]) -> None:
+    """One turn of `measure_round_costs`' draft pass: the context read, a one-token target forward (`step`), then the
+    round's pass, whose seconds join `passes`."""
+    block_size = min(max_size, getattr(proposer, "block_size", None) or max_size)
     width = len(proposer.target_layer_ids or []) * target.hidden_size
     length = context_length + ROUND_CONTEXT
     features = torch.randn(1, length, width, device=target.device, dtype=target.dtype) if width else None
     anchor = torch.zeros(1, dtype=torch.long, device=target.device)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        proposer.begin(length + block_size)
-        proposer.propose(anchor, None if features is None else features[:, :context_length], context_length,
-                         block_size, block_size, SamplingParams(), None)
-        synchronize(target.device)
-        began = time.perf_counter()
-        proposer.propose(anchor, None if features is None else features[:, context_length:], length, block_size,
-                         block_size, SamplingParams(), None)
-        synchronize(target.device)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[1:])
+    proposer.begin(length + block_size)
+    proposer.propose(anchor, None if features is None else features[:, :context_length], context_length,
+                     block_size, block_size, SamplingParams(), None)
+    step()
+    began = time.perf_counter()
+    proposer.propose(anchor, None if features is None else features[:, context_length:], length, block_size,
+                     block_size, SamplingParams(), None)
+    synchronize(target.device)
+    passes.append(time.perf_counter() - began)
 
 
 def measure_batch_verify_costs(
@@ -164,7 +186,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
             "torch": torch.__version__,
             "max_size": max_size,
             # how: costs measured otherwise before are measured again
-            "measured": "interleaved, least; a round's draft pass",
+            "measured": "ratios within turns; a round's draft pass after a target step",
             **({"batch_size": batch_size} if batch_size > 1 else {}),  # batch size 1 keeps its earlier files
         },
         sort_keys=True,
@@ -177,8 +199,7 @@ def cached_costs(target: TargetModel, proposer, max_size: int, batch_size: int =
     if batch_size > 1:  # the batch's verify costs only: a row's draft pass is priced alone (`BatchCosts`)
         costs, draft_seconds = measure_batch_verify_costs(target, max_size, batch_size), 0.0
     else:
-        costs = measure_verify_costs(target, max_size)
-        draft_seconds = measure_draft_seconds(proposer, target, max_size)
+        costs, draft_seconds = measure_round_costs(target, proposer, max_size)
     save_measurement(path, {"verify": costs.seconds, "draft": draft_seconds}, busy)
     return costs, draft_seconds
 

@@ -97,24 +97,44 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
 
 def test_the_draft_pass_is_timed_as_a_round_runs_it_after_its_context_is_read(monkeypatch):
     """A round's draft pass reads the few features the last round verified, not the whole context: the timed pass
-    comes after an untimed one over the context, with ROUND_CONTEXT new positions right before the anchor."""
+    comes after an untimed one over the context and a one-token target forward, with ROUND_CONTEXT new positions
+    right before the anchor; it is priced against the one-token forward."""
     from flashdraft import adaptive
 
     target = TargetModel(tiny_target())
     proposer = DFlashProposer(tiny_draft(target.model, block_size=8), target)
     calls, clock = [], {"now": 0.0}
-    real_propose = proposer.propose
+    real_propose, real_forward = proposer.propose, target.forward
 
     def propose(anchor, context, start, block_size, size, params, generator):
         calls.append((context.shape[1], start))
         clock["now"] += context.shape[1]  # a pass's "seconds": the context positions it reads
         return real_propose(anchor, context, start, block_size, size, params, generator)
 
-    proposer.propose = propose
+    def forward(ids, *args, **kwargs):
+        if ids.shape[1] <= 8:  # a measured forward, not the context's: 10 "seconds" a token
+            calls.append(("forward", ids.shape[1]))
+            clock["now"] += 10 * ids.shape[1]
+        return real_forward(ids, *args, **kwargs)
+
+    proposer.propose, target.forward = propose, forward
     monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock["now"])
-    seconds = adaptive.measure_draft_seconds(proposer, target, 8, context_length=40, repeats=3)
-    assert calls == [(40, 40), (adaptive.ROUND_CONTEXT, 40 + adaptive.ROUND_CONTEXT)] * 4
+    costs, seconds = adaptive.measure_round_costs(target, proposer, 8, context_length=40, repeats=3)
+    draft_turns = [call for call in calls if call != ("forward", 1) and call[0] != "forward"]
+    assert draft_turns == [(40, 40), (adaptive.ROUND_CONTEXT, 40 + adaptive.ROUND_CONTEXT)] * 4
     assert seconds == adaptive.ROUND_CONTEXT  # only the round's pass was timed
+    assert costs.seconds == {n: 10 * n for n in (1, 2, 3, 4, 6, 8)}
+
+
+def test_costs_are_priced_by_their_ratio_to_the_one_token_step_of_the_same_turn(monkeypatch):
+    """A turn where the whole machine ran slower moves the step's price, not the ratios: here every work of the
+    second turn took three times as long."""
+    from flashdraft import adaptive
+
+    turns = {1: [10.0, 30.0, 10.0], 2: [12.0, 36.0, 12.0], 3: [15.0, 45.0, 14.0], 4: [20.0, 60.0, 20.0]}
+    monkeypatch.setattr(adaptive, "interleaved_seconds", lambda works, repeats, summary: turns)
+    costs, draft = adaptive.measure_round_costs(TargetModel(tiny_target()), None, 4, context_length=8, repeats=3)
+    assert costs.seconds == {1: 10.0, 2: 12.0, 3: 15.0, 4: 20.0} and draft == 0.0  # 3: the median of 1.5, 1.5, 1.4
 
 
 def test_a_measurement_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(tmp_path, monkeypatch):
@@ -125,7 +145,7 @@ def test_a_measurement_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(t
     proposer = DFlashProposer(tiny_draft(target.model, block_size=8), target)
     load = {"cores": 1.5}
     measured = []
-    real = adaptive.measure_verify_costs
+    real = adaptive.measure_round_costs
 
     def counted(*args, **kwargs):
         measured.append(load["cores"])
@@ -133,7 +153,7 @@ def test_a_measurement_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(t
 
     for module in (adaptive, files):
         monkeypatch.setattr(module, "other_processes_cpu", lambda: load["cores"])
-    monkeypatch.setattr(adaptive, "measure_verify_costs", counted)
+    monkeypatch.setattr(adaptive, "measure_round_costs", counted)
     busy = cached_costs(target, proposer, 8)
     assert cached_costs(target, proposer, 8) == busy and measured == [1.5]  # still busy: the busy one serves
     load["cores"] = 0.1
