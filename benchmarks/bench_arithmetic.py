@@ -3,8 +3,10 @@ for registry targets) against float32 (transformers' own results).
 
     python benchmarks/bench_arithmetic.py --target smollm2-135m-instruct --threads 1 --prompts 8
     python benchmarks/bench_arithmetic.py --target qwen2.5-coder-0.5b-instruct --threads 2 --prompts 4
+    python benchmarks/bench_arithmetic.py --target qwen2.5-coder-0.5b-instruct --threads 2 --prompts 0 --context 600
 
-1. Forward costs after a 128-token context, interleaved: T(n) for n = 1, 2, 4, 8, 16 and T(n) / T(1), each way
+1. Forward costs after a 128-token context (`--context`), interleaved: T(n) for n = 1, 2, 4, 8, 16 and T(n) / T(1),
+   each way
    (and int8 without its AMX tile products, where the kernel uses them).
 2. The draft pass of the target's shipped draft (where it has one) against T(1), each way.
 3. Plain greedy decoding (`flashdraft.generate(block_size=1)`) of HumanEval and MT-Bench prompts, prompt by prompt
@@ -39,20 +41,20 @@ ARITHMETICS = ("int8", "float32")
 VECTOR_ONLY = "int8, vector panels only"  # timed too where the int8 kernel uses AMX tiles (the same bits)
 
 
-def forward_seconds(targets: dict[str, TargetModel], repeats: int) -> dict[tuple[str, int], float]:
-    """T(n) after 128 cached tokens, every arithmetic and size in turns (least of `repeats`)."""
-    context = torch.randint(100, 1000, (1, 128 + max(SIZES)), generator=torch.Generator().manual_seed(0))
+def forward_seconds(targets: dict[str, TargetModel], repeats: int, cached: int = 128) -> dict[tuple[str, int], float]:
+    """T(n) after `cached` cached tokens, every arithmetic and size in turns (least of `repeats`)."""
+    context = torch.randint(100, 1000, (1, cached + max(SIZES)), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(context.shape[1])[None]
     works = {}
     for name, target in targets.items():
         engine = target.engine
         cache = engine.new_cache()
-        engine.forward(context[:, :128], positions[:, :128], cache, logits_to_keep=1)
+        engine.forward(context[:, :cached], positions[:, :cached], cache, logits_to_keep=1)
 
         def step(n, engine=engine, cache=cache, tiles=True):
             flashdraft.quantized.use_tiles(tiles)
-            engine.forward(context[:, 128 : 128 + n], positions[:, 128 : 128 + n], cache)
-            cache.crop(128)
+            engine.forward(context[:, cached : cached + n], positions[:, cached : cached + n], cache)
+            cache.crop(cached)
             flashdraft.quantized.use_tiles(True)
 
         works.update({(name, n): (lambda n=n, step=step: step(n)) for n in SIZES})
@@ -61,10 +63,10 @@ def forward_seconds(targets: dict[str, TargetModel], repeats: int) -> dict[tuple
     return interleaved_seconds(works, repeats)
 
 
-def draft_seconds(targets: dict[str, TargetModel], draft, repeats: int) -> dict[str, float]:
-    """One block-sized draft pass after 128 context positions and 1 new one, each arithmetic in turns (as
+def draft_seconds(targets: dict[str, TargetModel], draft, repeats: int, context: int = 128) -> dict[str, float]:
+    """One block-sized draft pass after `context` context positions and 1 new one, each arithmetic in turns (as
     benchmarks/bench_draft_pass.py, which also interleaves T(1))."""
-    context, block = 128, draft.block_size
+    block = draft.block_size
     features = torch.randn(1, context + 1, len(draft.target_layer_ids) * draft.config.hidden_size)
     anchor = torch.tensor([5])
     works = {}
@@ -88,6 +90,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts decoded each way (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=15, help="turns of the forward timings (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=128,
+                        help="cached tokens before each timed forward and draft pass (default: %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     targets, tokenizer = {}, None
@@ -95,8 +99,9 @@ def main() -> None:
         model, tokenizer = load_target(args.target, arithmetic=arithmetic)
         targets[arithmetic] = TargetModel(model)
         assert targets[arithmetic].engine.arithmetic == arithmetic, f"{args.target} cannot run {arithmetic}"
-    print(f"## {args.target}, {args.threads} thread(s), int8 kernel {flashdraft.quantized.kernel_version()}\n")
-    seconds = forward_seconds(targets, args.repeats)
+    print(f"## {args.target}, {args.threads} thread(s), int8 kernel {flashdraft.quantized.kernel_version()}, "
+          f"{args.context} cached tokens\n")
+    seconds = forward_seconds(targets, args.repeats, args.context)
     print("| arithmetic | " + " | ".join(f"T({n})" for n in SIZES) + " | T(8)/T(1) | T(16)/T(1) |")
     print("|---|" + "---:|" * (len(SIZES) + 2))
     for name in [name for name in (*ARITHMETICS, VECTOR_ONLY) if (name, 1) in seconds]:
@@ -106,12 +111,14 @@ def main() -> None:
     folder = shipped_draft(args.target, targets["int8"].config)
     if folder is not None:
         draft = load_draft(str(folder))
-        passes = draft_seconds(targets, draft, args.repeats)
+        passes = draft_seconds(targets, draft, args.repeats, args.context)
         print("\n| arithmetic | draft pass | draft pass / T(1) |\n|---|---:|---:|")
         for name in ARITHMETICS:
             print(f"| {name} | {passes[name] * 1e3:.2f} ms | {passes[name] / seconds[(name, 1)]:.2f} |")
     halves = {"humaneval": args.prompts - args.prompts // 2, "mt-bench": args.prompts // 2}
     samples = [sample for name, count in halves.items() if count for sample in get_dataset(name).load(count)]
+    if not samples:  # --prompts 0: the costs alone
+        return
     speeds = {name: [] for name in ARITHMETICS}
     same = 0
     for sample in samples:
