@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from .adaptive import VerifyCosts
+from .adaptive import VerifyCosts, first_probe_size
 from .draft import DFlashDraftModel, DraftCache, RowDraftCache
 from .engine import DraftEngine
 from .lookup import ContextIndex
@@ -389,12 +389,13 @@ class HybridProposer:
             self.rounds_without_draft, self.probe_interval = 0, FIRST_PROBE_INTERVAL
             return plan
         # The draft's estimate only changes in rounds that run it: probe it now and then, less often while it
-        # does not pay. Before it was ever observed, over the whole block (every position is scored; in a batch,
-        # see `full_first_probe`, as later); later, the best round that runs it, which costs little more than the
-        # best round.
+        # does not pay. Before it was ever observed, over the whole block where that costs at most two steps, else
+        # the largest round that does (`first_probe_size`: every position it holds is scored; in a batch, see
+        # `full_first_probe`, as later); later, the best round that runs it, which costs little more than the best
+        # round.
         self.rounds_without_draft += 1
         if not self.draft_observed and self.full_first_probe:
-            return Plan(0, draft_size, True)
+            return Plan(0, first_probe_size(verify, draft_seconds, draft_size), True)
         if not self.draft_observed:
             self.rounds_without_draft = self.probe_interval
         if self.rounds_without_draft < self.probe_interval:

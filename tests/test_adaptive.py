@@ -59,12 +59,18 @@ def test_a_middling_draft_gets_a_middling_block():
 
 def test_observe_counts_only_the_positions_a_round_tested():
     controller = BlockSizeController(8, COSTS, 0.1, decay=1.0)
-    assert controller.choose() == 8  # nothing observed yet: a full block
+    assert controller.choose() == 8  # nothing observed yet: a full block, which costs under two steps here
     controller.observe(8, 2)  # proposals 1, 2 accepted, 3 rejected, 4..7 never tested
     assert controller.accepted[:4] == [1.5, 1.5, 0.5, 0.5]
     assert controller.tested[:4] == [2.0, 2.0, 2.0, 1.0]
     controller.observe(3, 2)  # a 3-token round accepting both proposals tests positions 1, 2 only
     assert controller.tested[:3] == [3.0, 3.0, 2.0]
+
+
+def test_the_first_round_is_the_largest_that_costs_at_most_two_steps():
+    avx2 = VerifyCosts({1: 1.0, 2: 1.25, 3: 2.0, 4: 2.3, 8: 4.0})  # an AVX2 CPU's, in one-token steps
+    assert BlockSizeController(8, avx2, 0.4).choose() == 2
+    assert BlockSizeController(8, avx2, 0.0).choose() == 3
 
 
 def test_probes_come_less_often_while_drafting_does_not_pay():

@@ -9,7 +9,7 @@ import torch
 import flashdraft
 import flashdraft.batching
 import flashdraft.decoding as decoding
-from flashdraft.adaptive import VerifyCosts
+from flashdraft.adaptive import VerifyCosts, first_probe_size
 from flashdraft.lookup import ContextIndex
 from flashdraft.proposals import Acceptance, DFlashProposer, HybridProposer, Plan, expected_tokens
 from flashdraft.target import TargetModel
@@ -126,6 +126,16 @@ def test_a_draft_that_does_not_pay_is_probed_less_and_less_often():
     set_rates(fresh.draft_acceptance, 0.0)
     fresh.draft_observed = False
     assert fresh.plan([], 0, 8) == Plan(0, 8, True)  # before any observation: the whole block
+
+
+def test_the_first_probe_is_the_largest_round_that_costs_at_most_two_steps():
+    avx2 = VerifyCosts({1: 1.0, 2: 1.25, 3: 2.0, 4: 2.3, 8: 4.0})  # 8 tokens cost 4 steps, a draft pass 0.4
+    fresh = hybrid(costs=(avx2, 0.4))
+    fresh.draft_observed = False
+    set_rates(fresh.draft_acceptance, 0.0)
+    assert fresh.plan([], 0, 8) == Plan(0, 2, True)
+    assert first_probe_size(avx2, 0.0, 8) == 3  # 2.0 steps exactly
+    assert first_probe_size(VerifyCosts({1: 1.0, 2: 2.5}), 0.0, 2) == 2  # none affordable: still a probe of 2
 
 
 def test_without_costs_every_round_proposes_all_there_is():
