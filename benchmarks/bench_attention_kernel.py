@@ -1,9 +1,10 @@
 """The native attention kernel alone against torch's fused kernel, on the default target's attention shapes (9 query
-heads, 3 key/value heads, head_dim 64): a step of n queries over a cache, causal within the step, on one thread and
+heads, 3 key/value heads, head_dim 64) or another's (`--shape`): a step of n queries over a cache, causal within the step, on one thread and
 on all of torch's, in alternating turns; least time of each.
 
     python benchmarks/bench_attention_kernel.py
     python benchmarks/bench_attention_kernel.py --queries 1 4 8 16 --keys 129 512 2048
+    python benchmarks/bench_attention_kernel.py --shape 14 2 64     # Qwen2.5-Coder-0.5B's shapes
 
 Like the CLI, it chooses how torch's threads wait before torch loads. Pause background work first: it times.
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from flashdraft import native  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, CAPACITY, TURNS = 9, 3, 64, 4096, 300
+CAPACITY, TURNS = 4096, 300
 
 
 def least_microseconds(functions: dict, turns: int = TURNS) -> dict[str, float]:
@@ -37,8 +38,8 @@ def least_microseconds(functions: dict, turns: int = TURNS) -> dict[str, float]:
 
 
 def torch_attention(queries, keys, values, end: int, visible):
-    n = queries.shape[0]
-    return F.scaled_dot_product_attention(queries.view(1, n, HEADS, HEAD_DIM).transpose(1, 2), keys[:, :, :end],
+    n, heads, head_dim = queries.shape
+    return F.scaled_dot_product_attention(queries.view(1, n, heads, head_dim).transpose(1, 2), keys[:, :, :end],
                                           values[:, :, :end], attn_mask=visible, enable_gqa=True)
 
 
@@ -46,15 +47,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--keys", type=int, nargs="+", default=[129, 512, 2048], help="cached keys after the step")
+    parser.add_argument("--shape", type=int, nargs=3, default=[9, 3, 64], metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
+                        help="attention shape (default: the default target's, 9 3 64; Qwen2.5-Coder-0.5B: 14 2 64)")
     args = parser.parse_args()
+    heads, kv_heads, head_dim = args.shape
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, KV_HEADS, CAPACITY, HEAD_DIM, generator=generator)
-    values = torch.randn(1, KV_HEADS, CAPACITY, HEAD_DIM, generator=generator)
+    keys = torch.randn(1, kv_heads, CAPACITY, head_dim, generator=generator)
+    values = torch.randn(1, kv_heads, CAPACITY, head_dim, generator=generator)
     threads = torch.get_num_threads()
     print(f"| queries | keys | torch, {threads} threads | native, 1 thread | native, {threads} threads |")
     print("|---:|---:|---:|---:|---:|")
     for n in args.queries:
-        queries = torch.randn(n, HEADS, HEAD_DIM, generator=generator)
+        queries = torch.randn(n, heads, head_dim, generator=generator)
         for end in args.keys:
             start = end - n
             visible = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
