@@ -1,6 +1,6 @@
 """The native attention kernel alone against torch's fused kernel, on the default target's attention shapes (9 query
-heads, 3 key/value heads, head_dim 64) or another's (`--shape`): a step of n queries over a cache, causal within the step, on one thread and
-on all of torch's, in alternating turns; least time of each.
+heads, 3 key/value heads, head_dim 64) or another's (`--shape`): a step of n queries over a cache, causal within the
+step, on one thread and on all of torch's, in alternating turns; least time of each.
 
     python benchmarks/bench_attention_kernel.py
     python benchmarks/bench_attention_kernel.py --queries 1 4 8 16 --keys 129 512 2048
