@@ -26,10 +26,11 @@ typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int i32v8 __attribute__((vector_size(8 * sizeof(int))));
 typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
 
-/* One register's vector: 16 lanes with AVX-512, else 8 (AVX2; two of NEON's). GCC computes a 16-lane vector in two
- * registers well enough for arithmetic, but lowers its comparisons and shuffles lane by lane, in scalar code, and
- * moves arrays of them through memory in pieces: the attention kernel, which is made of those, runs in `rvec`s
- * (3-4 times faster on AVX2), and the 16-lane helpers below are their register-width versions applied to halves. */
+/* One register's vector: 16 lanes with AVX-512, else 8 (one AVX2 register; two of NEON's). GCC computes a 16-lane
+ * vector in two registers well enough for arithmetic, but lowers its comparisons and shuffles lane by lane, in scalar
+ * code, and moves arrays of them through memory in pieces: the attention kernel, which is made of those, runs in
+ * `rvec`s (4-8 times faster on AVX2), and the 16-lane helpers below are their register-width versions applied to
+ * halves. */
 #if defined(__AVX512F__)
 #define WHOLE_VECTORS 1
 #define REGISTER_LANES 16
