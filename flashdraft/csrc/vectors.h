@@ -67,13 +67,6 @@ static inline vec8 low_half(vec v) { return ((vec_halves){.whole = v}).half[0]; 
 static inline vec8 high_half(vec v) { return ((vec_halves){.whole = v}).half[1]; }
 static inline vec join_halves(vec8 low, vec8 high) { return ((vec_halves){.half = {low, high}}).whole; }
 
-/* A register-width function applied to a 16-lane vector: itself, or to each half. */
-#ifdef WHOLE_VECTORS
-#define BY_REGISTERS(f, v) f(v)
-#else
-#define BY_REGISTERS(f, v) join_halves(f(low_half(v)), f(high_half(v)))
-#endif
-
 /* The same 8-lane shuffle of each 8-lane half of a register (the register itself on AVX2): lane j of the result's
  * low half is lane p_j of a's low half (p_j < 8) or of b's (p_j - 8), and likewise from the high halves. */
 #define FROM_LOW(p) ((p) < 8 ? (p) : (p) + 8)
@@ -89,20 +82,18 @@ static inline vec join_halves(vec8 low, vec8 high) { return ((vec_halves){.half 
 #endif
 
 /* The sum of the lanes, in the same order at every width: the two 8-lane halves added, then 4, 2, 1. */
-static inline float lane_sum(vec v) {
-    vec8 h = low_half(v) + high_half(v);
+static inline float sum_of_8(vec8 h) {
     vec4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-static inline float register_lane_sum(rvec v) {
+static inline float lane_sum(vec v) { return sum_of_8(low_half(v) + high_half(v)); }
+
 #ifdef WHOLE_VECTORS
-    return lane_sum(v);
+static inline float register_lane_sum(rvec v) { return lane_sum(v); }
 #else
-    vec4 q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    return (q[0] + q[2]) + (q[1] + q[3]);
+static inline float register_lane_sum(rvec v) { return sum_of_8(v); }
 #endif
-}
 
 /* Lane by lane, `mask` (all ones or zero per lane, from a comparison) ? a : b. */
 static inline rvec select_register(ri32v mask, rvec a, rvec b) {
@@ -137,7 +128,11 @@ static inline rvec exp_register(rvec x) {
     return select_register(underflow, zero, p * scale);
 }
 
-static inline vec exp_lanes(vec x) { return BY_REGISTERS(exp_register, x); }
+#ifdef WHOLE_VECTORS
+static inline vec exp_lanes(vec x) { return exp_register(x); }
+#else
+static inline vec exp_lanes(vec x) { return join_halves(exp_register(low_half(x)), exp_register(high_half(x))); }
+#endif
 
 static inline rvec register_max(rvec a, rvec b) { return select_register(a > b, a, b); }
 
