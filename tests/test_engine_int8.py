@@ -407,3 +407,23 @@ def test_a_prefill_past_the_measured_row_counts_shares_its_products_among_the_th
         torch.set_num_threads(threads)
     assert calls and all(parallel for rows, parallel in calls if rows == 48)
     assert torch.equal(single, shared)
+
+
+def test_training_features_on_the_int8_engine_are_those_decoding_gives_the_draft(tmp_path):
+    target = TargetModel(load_target(str(gguf_target(tmp_path, "qwen2")))[0])
+    layers = [0, 1]
+    sequences = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 17)]
+    features, mask = target.padded_hidden_states(sequences, layers)
+    assert features.shape == (2, 30, 2 * 128) and mask.sum(1).tolist() == [30, 17]
+    assert not features[1, 17:].any()  # padding stays zero
+    for row, ids in enumerate(sequences):
+        # As decoding collects them: a prompt's prefill, then blocks verified after it.
+        cache, collected = target.new_cache(), []
+        for start, end in ((0, 9), (9, 13), (13, 14), (14, len(ids))):
+            _, hidden = target.forward(ids[None, start:end], torch.arange(start, end)[None], cache, layers)
+            collected.append(hidden[0])
+        assert torch.equal(features[row, : len(ids)], torch.cat(collected))
+    # transformers' padded forward over the float32 weights: the same features but for the activations' rounding
+    float32 = TargetModel(target.model, engine="transformers").padded_hidden_states(sequences, layers)[0]
+    float32 = float32 * mask[:, :, None]  # its padding positions hold what the pads computed
+    assert ((features - float32).norm() / float32.norm()) < 0.05
