@@ -427,3 +427,13 @@ def test_training_features_on_the_int8_engine_are_those_decoding_gives_the_draft
     float32 = TargetModel(target.model, engine="transformers").padded_hidden_states(sequences, layers)[0]
     float32 = float32 * mask[:, :, None]  # its padding positions hold what the pads computed
     assert ((features - float32).norm() / float32.norm()) < 0.05
+
+
+def test_a_bfloat16_training_target_with_gguf_blocks_is_told_of_the_engine(tmp_path):
+    from flashdraft.train.features import engine_features_hint
+
+    folder = gguf_target(tmp_path / "gguf")
+    assert "--dtype float32" in engine_features_hint(load_target(str(folder), dtype=torch.bfloat16)[0])
+    assert engine_features_hint(load_target(str(folder))[0]) is None  # float32: already on the engine
+    (folder / quantized.BLOCKS_FILE).unlink()  # no blocks: the engine would run float32, slower than bfloat16
+    assert engine_features_hint(load_target(str(folder), dtype=torch.bfloat16)[0]) is None

@@ -71,6 +71,21 @@ def extract_features(model, sequences: Sequence[torch.Tensor], layer_ids: Sequen
     return features * attention_mask[:, :, None].to(features.dtype)
 
 
+def engine_features_hint(model) -> str | None:
+    """One line for a run whose features would come faster and truer from the engine: a bfloat16 target on a CPU
+    whose folder holds GGUF blocks (a registry target), which `--dtype float32` runs in int8 on the engine
+    (`TargetModel.padded_hidden_states`); None otherwise."""
+    from ..quantized import BLOCKS_FILE
+
+    if model.device.type != "cpu" or model.dtype != torch.bfloat16:
+        return None
+    if not (Path(model.config.name_or_path) / BLOCKS_FILE).is_file():
+        return None
+    return ("the target's features come from transformers' bfloat16 forward; --dtype float32 takes them from "
+            "flashdraft's engine (int8 on the target's GGUF blocks): the features decoding gives the draft, and "
+            "about 1.8x faster steps on a CPU (docs/training.md, \"Precision\")")
+
+
 class FeatureSource(Protocol):
     """What the trainer reads features from."""
 

@@ -43,7 +43,7 @@ from .blocks import TrainingSequence
 from .config import HELDOUT_SET, PipelineConfig, TrainConfig, check_prompt_sets, exact_command
 from .corpus import read_corpus
 from .drafts import save_trained_draft, start_from_draft
-from .features import OnlineFeatures
+from .features import OnlineFeatures, engine_features_hint
 from .loss import DraftVocabulary
 from .pipeline import data_counts, eval_prompt_sets
 from .trainer import Trainer
@@ -148,6 +148,8 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     began = time.perf_counter()
     device = _device(config.device)
     model, _ = load_target(config.target, device=device, dtype=resolve_dtype(config.dtype, device.type))
+    if (hint := engine_features_hint(model)) is not None:
+        print(hint, flush=True)
     start = DFlashDraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
     vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
     exclude = set().union(*(read_ids(path) for path in run.exclude_ids))

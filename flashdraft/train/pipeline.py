@@ -399,13 +399,15 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     from .corpus import response_counts
     from .distributed import barrier
     from .drafts import init_from_target, save_trained_draft, seed_everything, start_from_draft
-    from .features import FeatureStore, OnlineFeatures, build_feature_store
+    from .features import FeatureStore, OnlineFeatures, build_feature_store, engine_features_hint
     from .loss import DraftVocabulary, label_counts
     from .prompts import read_prompt_file
     from .trainer import Trainer
 
     dtype = resolve_dtype(config.dtype, dist.device.type)
     model, tokenizer = load_target(config.target, device=dist.device, dtype=dtype)
+    if (hint := engine_features_hint(model)) is not None:
+        _say(hint)
     text_config = model.config.get_text_config()
     layer_ids = _resolve_feature_layers(config.feature_layers, text_config.num_hidden_layers)
     mask_token_id = _mask_token_id(config, tokenizer, model.get_input_embeddings().weight.shape[0])
