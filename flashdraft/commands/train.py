@@ -81,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fractions of the steps to write step-N drafts at (default: 0.5,0.75)")
     corpus.add_argument("--no-mean", dest="mean", action="store_false",
                         help="skip OUT/mean, the bfloat16 mean of --init-draft and the final draft")
-    corpus.add_argument("--progress", action="store_true", help="show the trainer's progress bar")
+    corpus.add_argument("--progress", action="store_true",
+                        help="show the trainer's progress bar (without it, a line each twentieth of the run)")
     for old in RENAMED:
         parser.add_argument(old, nargs="?", action=Renamed, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.set_defaults(func=run)

@@ -49,6 +49,7 @@ from .pipeline import data_counts, eval_prompt_sets
 from .trainer import Trainer
 
 PROBE_STEPS = 5  # timed after one warm-up step (kernels, allocator)
+REPORTS = 20  # progress lines a run prints (each twentieth of its steps), besides one per snapshot
 
 
 @dataclass
@@ -137,6 +138,16 @@ def probe_step_seconds(model, start, training, features, vocabulary, train_confi
     return (time.perf_counter() - timed) / PROBE_STEPS
 
 
+def progress_line(step: int, steps: int, loss: float, elapsed: float, first_step: tuple[int, float],
+                  note: str = "") -> str:
+    """One line of a run's progress, for a log that a background run writes (`--progress` draws a bar instead):
+    the step, its loss, the time since the start and the time left at this process's pace so far."""
+    began_at, began = first_step
+    pace = (time.perf_counter() - began) / max(1, step - began_at)
+    line = f"step {step}/{steps}: loss {loss:.3f}, {elapsed:.0f} s, about {pace * (steps - step):.0f} s left"
+    return f"{line}; {note}" if note else line
+
+
 def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     """Continue `config.init_draft` on the corpus within the budget and write OUT (the module doc)."""
     if config.init_draft is None:
@@ -174,12 +185,18 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     print(f"{len(training)} training records, {len(heldout)} held out; global batch {global_batch}, {epoch_steps} "
           f"steps an epoch; {steps} steps ({rate}); snapshots at {marks}", flush=True)
 
+    report_every = max(1, steps // REPORTS)
+
     class SnapshotTrainer(Trainer):  # writes a bfloat16 draft at each mark, for weight averaging later
         def train_step(self):
+            if not hasattr(self, "first_step"):  # (step, time) this process began at: a resumed run starts later
+                self.first_step = (self.step, time.perf_counter())
             result = super().train_step()
             if self.step in marks:
                 save_bfloat16(self.draft, out / f"step-{self.step}")
-                print(f"step {self.step}: loss {result['loss']:.3f}, {time.perf_counter() - began:.0f} s", flush=True)
+            if self.step in marks or (self.step % report_every == 0 and self.step < steps):
+                print(progress_line(self.step, steps, result["loss"], time.perf_counter() - began, self.first_step,
+                                    f"step-{self.step} written" if self.step in marks else ""), flush=True)
             return result
 
     trainer = SnapshotTrainer(fresh_draft(model, start), model, training, features, work / "run",

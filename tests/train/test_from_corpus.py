@@ -66,6 +66,11 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     # 20 training records in global batches of 4: 5 steps an epoch, and the budget holds both epochs.
     assert "20 training records, 4 held out; global batch 4, 5 steps an epoch; 10 steps (" in printed
     assert "snapshots at [5]" in printed
+    # A line a twentieth of the run (here every step, the last excepted), the snapshot's saying it was written.
+    steps_reported = [int(m) for m in re.findall(r"^step (\d+)/10: loss \d+\.\d{3}, \d+ s, about \d+ s left",
+                                                 printed, re.M)]
+    assert steps_reported == list(range(1, 10))
+    assert re.search(r"^step 5/10: .*; step-5 written$", printed, re.M)
     card = json.loads((tmp_path / "out" / "float32" / "training.json").read_text())
     assert card["data"] == {"pattern": {"sequences": 20, "tokens": 20 * 14}}
     assert card["summary"]["steps"] == 10 and card["settings"]["global batch (sequences)"] == 4
@@ -129,3 +134,14 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     assert main(["draft", "evaluate", *common, str(start)]) == 2
     assert re.search("1 held-out ids are not in .*, e.g. pattern:99: the list belongs to another",
                      capsys.readouterr().err)
+
+
+def test_a_progress_line_says_the_time_left_at_this_process_pace(monkeypatch):
+    from flashdraft.train import from_corpus
+
+    monkeypatch.setattr(from_corpus.time, "perf_counter", lambda: 130.0)
+    # Resumed at step 100 at t=100: 30 s for 10 steps, so 3 s a step for the 40 left.
+    assert from_corpus.progress_line(110, 150, 2.34567, 95.4, (100, 100.0)) == (
+        "step 110/150: loss 2.346, 95 s, about 120 s left")
+    assert from_corpus.progress_line(110, 150, 2.0, 95.0, (100, 100.0), "step-110 written").endswith(
+        "about 120 s left; step-110 written")
