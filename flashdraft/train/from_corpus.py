@@ -185,7 +185,7 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     print(f"{len(training)} training records, {len(heldout)} held out; global batch {global_batch}, {epoch_steps} "
           f"steps an epoch; {steps} steps ({rate}); snapshots at {marks}", flush=True)
 
-    report_every = max(1, steps // REPORTS)
+    report_every = max(1, steps // REPORTS) if not run.progress else steps  # the bar replaces the lines
 
     class SnapshotTrainer(Trainer):  # writes a bfloat16 draft at each mark, for weight averaging later
         def train_step(self):
