@@ -409,12 +409,12 @@ def test_a_prefill_past_the_measured_row_counts_shares_its_products_among_the_th
     assert torch.equal(single, shared)
 
 
-def test_training_features_on_the_int8_engine_are_those_decoding_gives_the_draft(tmp_path):
+@pytest.mark.parametrize("layers", [[0, 1], [0]])  # [0]: the features' forward stops after the first layer
+def test_training_features_on_the_int8_engine_are_those_decoding_gives_the_draft(tmp_path, layers):
     target = TargetModel(load_target(str(gguf_target(tmp_path, "qwen2")))[0])
-    layers = [0, 1]
     sequences = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 17)]
     features, mask = target.padded_hidden_states(sequences, layers)
-    assert features.shape == (2, 30, 2 * 128) and mask.sum(1).tolist() == [30, 17]
+    assert features.shape == (2, 30, len(layers) * 128) and mask.sum(1).tolist() == [30, 17]
     assert not features[1, 17:].any()  # padding stays zero
     for row, ids in enumerate(sequences):
         # As decoding collects them: a prompt's prefill, then blocks verified after it.
@@ -427,6 +427,20 @@ def test_training_features_on_the_int8_engine_are_those_decoding_gives_the_draft
     float32 = TargetModel(target.model, engine="transformers").padded_hidden_states(sequences, layers)[0]
     float32 = float32 * mask[:, :, None]  # its padding positions hold what the pads computed
     assert ((features - float32).norm() / float32.norm()) < 0.05
+
+
+def test_a_features_only_forward_skips_the_layers_after_the_last_feature_layer_and_the_head(tmp_path):
+    engine = TargetModel(load_target(str(gguf_target(tmp_path, "qwen2")))[0]).engine
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12)[None]
+    full_cache, cache = engine.new_cache(), engine.new_cache()
+    _, full = engine.forward(ids, positions, full_cache, [0])
+    logits, features = engine.forward(ids, positions, cache, [0], features_only=True)
+    assert logits is None and torch.equal(features, full)
+    assert torch.equal(cache.keys[0][..., :12, :], full_cache.keys[0][..., :12, :])
+    assert not cache.keys[1].any() and full_cache.keys[1][..., :12, :].any()  # the second layer never ran
+    with pytest.raises(ValueError, match="features_only needs layer_ids"):
+        engine.forward(ids, positions, engine.new_cache(), None, features_only=True)
 
 
 def test_a_bfloat16_training_target_with_gguf_blocks_is_told_of_the_engine(tmp_path):

@@ -300,15 +300,20 @@ class Engine:
         layer_ids: Sequence[int] | None = None,
         logits_to_keep: int = 0,
         padding: torch.Tensor | None = None,  # [b, n] bool, True at left padding (a padded batch's prefill)
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        features_only: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The n new tokens after the `cache.length` cached ones. Returns logits [b, n or logits_to_keep, V] and,
-        with `layer_ids`, the concatenated outputs of those layers [b, n, k*d]."""
+        with `layer_ids`, the concatenated outputs of those layers [b, n, k*d]. `features_only` (training's target
+        features): no logits (None), and no layer after the last of `layer_ids` runs, so `cache` is left
+        incomplete."""
+        if features_only and not layer_ids:
+            raise ValueError("features_only needs layer_ids")
         if not self.kernels.uses_numpy:
-            return self._forward(input_ids, position_ids, cache, layer_ids, logits_to_keep, padding)
+            return self._forward(input_ids, position_ids, cache, layer_ids, logits_to_keep, padding, features_only)
         with _ONE_BLAS_THREAD.limit(limits=1):
-            return self._forward(input_ids, position_ids, cache, layer_ids, logits_to_keep, padding)
+            return self._forward(input_ids, position_ids, cache, layer_ids, logits_to_keep, padding, features_only)
 
-    def _forward(self, input_ids, position_ids, cache, layer_ids, logits_to_keep, padding):
+    def _forward(self, input_ids, position_ids, cache, layer_ids, logits_to_keep, padding, features_only):
         batch, n = input_ids.shape
         start, end = cache.length, cache.length + n
         if cache.by_position:  # each row at its own positions (see EngineCache)
@@ -325,6 +330,7 @@ class Engine:
         cos, sin = cos[position_ids].view(rows, 1, head_dim), sin[position_ids].view(rows, 1, head_dim)
         wanted = set(layer_ids or ())
         collected = []
+        layer_count = max(wanted) + 1 if features_only else len(self.layers)
         threads = torch.get_num_threads() > 1
         # With int8 arithmetic every forward's attention is the native kernel's, which computes each query alone:
         # a row gets the same bits in a batch (padded, or by position), a chunked prefill or a block as alone, so
@@ -345,14 +351,14 @@ class Engine:
                          and all(self.kernels.product(kind, rows) in NATIVE_PRODUCTS for kind in LAYER_KINDS))
         if native_layers:
             bits = _parallel_bits(self.kernels, rows, rows, parallel)
-            for index, layer in enumerate(self.native_layers):
+            for index, layer in enumerate(self.native_layers[:layer_count]):
                 native.unchecked_decoder_layer(layer, cache.keys[index], cache.values[index], h, None,
                                                cos.view(rows, head_dim), sin.view(rows, head_dim), start or 0, eps,
                                                parallel=bits, first_key=first_key, batch=batch,
                                                positions=query_positions)
                 if index in wanted:
                     collected.append(h.clone())  # h changes in place
-        for index, layer in enumerate(() if native_layers else self.layers):  # else operator by operator
+        for index, layer in enumerate(() if native_layers else self.layers[:layer_count]):  # else op by op
             qkv = self._product("qkv", rms_norm(h, layer.input_norm, eps), layer.qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -378,11 +384,6 @@ class Engine:
             if index in wanted:
                 collected.append(h)
         cache.length = max(cache.length, end) if start is None else end
-        h = h.view(batch, n, -1)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        kept = h.shape[1]
-        hidden = rms_norm(h, self.norm, eps).reshape(batch * kept, -1)
         features = None
         if layer_ids:
             by_layer = dict(zip(sorted(wanted), collected))
@@ -390,6 +391,13 @@ class Engine:
             if last in by_layer:  # transformers reports the last layer's output after the final norm
                 by_layer[last] = rms_norm(by_layer[last], self.norm, eps)
             features = torch.cat([by_layer[i] for i in layer_ids], dim=-1).view(batch, n, -1)
+        if features_only:
+            return None, features
+        h = h.view(batch, n, -1)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        kept = h.shape[1]
+        hidden = rms_norm(h, self.norm, eps).reshape(batch * kept, -1)
         logits = self._product("head", hidden, self.head_weight).reshape(batch, kept, -1)
         return logits, features
 
