@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..draft import DFlashDraftModel, check_draft_folder
+from ..files import write_atomic
 from ..models import load_target
 from ..rules import resolve_dtype
 from ..text import stop_token_ids
@@ -49,6 +50,7 @@ from .pipeline import data_counts, eval_prompt_sets
 from .trainer import Trainer
 
 PROBE_STEPS = 5  # timed after one warm-up step (kernels, allocator)
+PLAN_FILE = "steps.json"  # in the work folder: the step count a budgeted run fixed at its first start
 REPORTS = 20  # progress lines a run prints (each twentieth of its steps), besides one per snapshot
 
 
@@ -138,6 +140,15 @@ def probe_step_seconds(model, start, training, features, vocabulary, train_confi
     return (time.perf_counter() - timed) / PROBE_STEPS
 
 
+def _read_plan(path: Path, budget: dict) -> int | None:
+    """The step count an earlier start of this run planned for the same budget, else None."""
+    try:
+        plan = json.loads(path.read_text())
+        return int(plan["steps"]) if plan["budget"] == budget else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def progress_line(step: int, steps: int, loss: float, elapsed: float, first_step: tuple[int, float],
                   note: str = "") -> str:
     """One line of a run's progress, for a log that a background run writes (`--progress` draws a bar instead):
@@ -173,7 +184,15 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
 
     global_batch = config.batch_size * config.grad_accum
     epoch_steps = len(training) // global_batch
-    if config.max_steps:
+    # A budget's step count is fixed at the first start and kept in the work folder: the same command run again
+    # after a kill resumes the run's checkpoints with the same schedule instead of a new estimate (which the
+    # checkpoints would refuse as another run).
+    budget = {"seconds": run.seconds, "step_seconds": run.step_seconds, "reserve": run.reserve,
+              "max_steps": config.max_steps, "epochs": config.epochs, "records": len(training)}
+    plan = _read_plan(work / PLAN_FILE, budget)
+    if plan is not None:
+        steps, rate = plan, f"planned at the first start, in {work / PLAN_FILE}"
+    elif config.max_steps:
         steps, rate = min(config.epochs * epoch_steps, config.max_steps), "given"
     else:
         per_step = run.step_seconds or probe_step_seconds(model, start, training, features, vocabulary, train_config,
@@ -181,6 +200,9 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
         left = run.seconds - (time.perf_counter() - began) - run.reserve
         steps = max(1, min(config.epochs * epoch_steps, int(left / per_step)))
         rate = f"{per_step:.3f} s a step, {left:.0f} s left"
+    if plan is None:
+        work.mkdir(parents=True, exist_ok=True)
+        write_atomic(work / PLAN_FILE, json.dumps({"budget": budget, "steps": steps}) + "\n")
     marks = sorted({max(1, round(steps * float(f))) for f in run.snapshots.split(",") if f} - {steps})
     print(f"{len(training)} training records, {len(heldout)} held out; global batch {global_batch}, {epoch_steps} "
           f"steps an epoch; {steps} steps ({rate}); snapshots at {marks}", flush=True)

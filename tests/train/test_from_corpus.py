@@ -145,3 +145,38 @@ def test_a_progress_line_says_the_time_left_at_this_process_pace(monkeypatch):
         "step 110/150: loss 2.346, 95 s, about 120 s left")
     assert from_corpus.progress_line(110, 150, 2.0, 95.0, (100, 100.0), "step-110 written").endswith(
         "about 120 s left; step-110 written")
+
+
+def test_a_budgeted_run_killed_midway_resumes_with_its_first_starts_step_count(tmp_path, monkeypatch, capsys):
+    from flashdraft.train import from_corpus, trainer
+
+    source, corpus = target_folder(tmp_path / "target"), corpus_folder(tmp_path / "corpus")
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("pattern:3\npattern:17\npattern:20\npattern:9\n")
+    command = ["train", "-o", str(tmp_path / "out"), "--target", str(source), "--corpus", str(corpus),
+               "--heldout-ids", str(heldout), "--device", "cpu", *RECIPE[:4], "--checkpoint-every", "2",
+               "--init-draft", str(draft_folder(tmp_path / "draft")), "--seconds", "1000", "--reserve", "0",
+               "--epochs", "2", "--batch-size", "2", "--grad-accum", "2", "--num-anchors", "4"]
+    # The probe says 100 s a step at the first start (9 steps of the budget), 50 s at the second (it would be the
+    # 10 steps of two epochs): the second start keeps the first's 9.
+    probes = iter([100.0, 50.0])
+    monkeypatch.setattr(from_corpus, "probe_step_seconds", lambda *args: next(probes))
+    original = trainer.Trainer.train_step
+
+    def killed_after_step_5(self):
+        result = original(self)
+        if self.step == 5:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", killed_after_step_5)
+    assert main(command) == 130
+    assert "; 9 steps (100.000 s a step" in capsys.readouterr().out
+    monkeypatch.setattr(trainer.Trainer, "train_step", original)
+    assert main(command) == 0
+    printed = capsys.readouterr().out
+    assert "; 9 steps (planned at the first start, in " in printed
+    assert re.search(r"^step 5/9: ", printed, re.M)  # resumed from the checkpoint of step 4
+    assert not re.search(r"^step [1-4]/9: ", printed, re.M)
+    assert json.loads((tmp_path / "out" / "float32" / "training.json").read_text())["summary"]["steps"] == 9
+    assert next(probes) == 50.0  # the second start probed nothing
