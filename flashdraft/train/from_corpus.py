@@ -210,9 +210,11 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     report_every = max(1, steps // REPORTS) if not run.progress else steps  # the bar replaces the lines
 
     class SnapshotTrainer(Trainer):  # writes a bfloat16 draft at each mark, for weight averaging later
+        def train(self):
+            self.first_step = (self.step, time.perf_counter())  # where this process began: a resumed run, later
+            return super().train()
+
         def train_step(self):
-            if not hasattr(self, "first_step"):  # (step, time) this process began at: a resumed run starts later
-                self.first_step = (self.step, time.perf_counter())
             result = super().train_step()
             if self.step in marks:
                 save_bfloat16(self.draft, out / f"step-{self.step}")
