@@ -19,7 +19,7 @@ from typing import Any
 
 from ..evaluation.datasets import DATASETS
 from ..models import DEFAULT_TARGET
-from .sources import DEFAULT_PROPORTIONS, SOURCES
+from .sources import DEFAULT_PROPORTIONS, DEFAULT_SOURCES, SOURCES
 
 STAGES = ("prompts", "labels", "features", "train")
 LABEL_KINDS = ("regenerate", "teacher-forced")
@@ -183,7 +183,7 @@ class PipelineConfig(TrainConfig):
         shown="", type=Path, repeat=True, metavar="FILE", group="prompts")
     sources: tuple[str, ...] | None = setting(
         None, f"built-in prompt sources to mix, comma separated, among {', '.join(SOURCES)}, or 'none'",
-        shown="all of them without --prompts, none with it", type=str)
+        shown=f"{','.join(DEFAULT_SOURCES)} without --prompts, none with it", type=str)
     proportions: dict[str, float] = setting(
         DEFAULT_PROPORTIONS, "mix of the built-in sources as name=weight pairs", type=str)
     num_prompts: int = setting(1000, "prompts drawn from the built-in sources")
@@ -271,15 +271,19 @@ class PipelineConfig(TrainConfig):
         unknown = [name for name in self.sources or () if name not in SOURCES]
         if unknown:
             raise ValueError(f"unknown prompt sources {unknown}: choose among {', '.join(SOURCES)}, or 'none'")
+        unweighted = [name for name in self.source_names() if self.proportions.get(name, 0) <= 0]
+        if unweighted:
+            raise ValueError(f"--proportions gives no weight to the source(s) {', '.join(unweighted)}: add "
+                             f"{unweighted[0]}=WEIGHT to --proportions, or leave it out of --sources")
         if not self.source_names() and not self.prompts:
             raise ValueError("no prompts: give --prompts FILE and/or --sources")
         self.train_config()  # its own checks
 
     def source_names(self) -> tuple[str, ...]:
-        """The built-in sources to mix: all of them without prompt files, none with them, unless given."""
+        """The built-in sources to mix: the default mix's without prompt files, none with them, unless given."""
         if self.sources is not None:
             return self.sources
-        return () if self.prompts else tuple(SOURCES)
+        return () if self.prompts else DEFAULT_SOURCES
 
     def label_kinds(self) -> list[str]:
         return list(LABEL_KINDS) if self.labels == "both" else [self.labels]

@@ -36,16 +36,23 @@ import numpy as np
 from ..files import write_atomic
 from .prompts import PROMPT_SETTINGS, PROMPTS_FILE
 from .records import META_FILE, ShardWriter, TrainingRecord, read_meta, read_records
+from .sources import DEFAULT_PROPORTIONS
 
 MANIFEST = "manifest.json"
 # The prompt set each target's regeneration is at now. The default target's went 10,000 (shards 0-36), then 20,000:
 # every one of the built-in sources' 19,886 distinct prompts. A new target starts with a step that one machine
 # finishes in a few sessions, so its first draft trains on the whole mix rather than on its shortest prompts (the
 # regeneration answers prompts shortest first).
-# The Qwen corpus answered its first 2,000 prompts on 2026-12-06 and its 5,000 (its draft issue's target) the same
-# day; 10,000 is its next step.
-PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 20000}
+# The Qwen corpus answered its first 2,000 prompts on 2026-12-06, then went 5,000, 10,000, 20,000 and (2026-12-07,
+# at 17,898 records) 28,000: the default mix and ShareGPT's second turns (`FOLLOW_UP_PROPORTIONS`).
+PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 28000}
 FIRST_PROMPT_STEP = 2000
+# Steps up to 20,000 draw from the default mix. Its 19,886 distinct prompts are all in the step of 20,000, so larger
+# steps add ShareGPT's 7,137 second user turns (MT-Bench's turn-2 shape: a first exchange as context). Such a step
+# must be larger than all the pools together, so that every pool is taken whole and its prompt set holds each
+# earlier step's (no answered prompt falls out; `check_follow_up_step`).
+DEFAULT_MIX_STEP = 20000
+FOLLOW_UP_PROPORTIONS: dict[str, float] = {**DEFAULT_PROPORTIONS, "sharegpt-turn2": 0.35}
 REGENERATION_MAX_NEW_TOKENS = 512
 FORMAT = 1
 MACHINE_SETTINGS = ("model",)  # settings that name a place on one machine: not compared between machines
@@ -109,8 +116,28 @@ def regeneration_arguments(target: str, work: Path, num_prompts: int, threads: i
     """The `flashdraft train` arguments of one corpus regeneration on `threads` CPU threads: its records go to
     `work`/records-regenerate."""
     return ["train", "--target", target, "--until", "labels", "--num-prompts", str(num_prompts),
+            *prompt_mix_arguments(num_prompts),
             "--labels", "regenerate", "--max-new-tokens", str(REGENERATION_MAX_NEW_TOKENS), "--threads", str(threads),
             "--work-dir", str(work), "-o", str(work / "out")]
+
+
+def prompt_mix_arguments(num_prompts: int) -> list[str]:
+    """The sources and proportions of a step's prompt set: the default mix's (no arguments, so that the settings
+    of the steps made before there was a choice stay the same) up to `DEFAULT_MIX_STEP`, then the follow-up mix."""
+    if num_prompts <= DEFAULT_MIX_STEP:
+        return []
+    return ["--sources", ",".join(FOLLOW_UP_PROPORTIONS),
+            "--proportions", ",".join(f"{name}={weight}" for name, weight in FOLLOW_UP_PROPORTIONS.items())]
+
+
+def check_follow_up_step(num_prompts: int, pool_sizes: dict[str, int]) -> None:
+    """Refuse a step past the default mix that would not take every pool whole (its prompt set would then leave out
+    prompts of earlier steps): `pool_sizes` the distinct prompts of each source."""
+    total = sum(pool_sizes[name] for name in FOLLOW_UP_PROPORTIONS)
+    if DEFAULT_MIX_STEP < num_prompts < total:
+        raise ValueError(f"a corpus step past {DEFAULT_MIX_STEP} prompts takes every source whole, {total} prompts: "
+                         f"{num_prompts} would leave out prompts of the earlier steps; give --num-prompts {total} "
+                         "or more")
 
 
 def make_train_folder(corpus: Path, regeneration: Path, folder: Path, count: int | None, model: str,

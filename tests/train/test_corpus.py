@@ -215,7 +215,7 @@ def test_the_corpus_command_reports_the_corpus_and_refuses_unknown_targets(tmp_p
     assert main(["corpus", "status", "--target", "qwen2.5-coder-1.5b-instruct", "--corpus", str(tmp_path)]) == 0
     assert "qwen2.5-coder-1.5b-instruct/prompts-2000" in capsys.readouterr().out  # a new target's first step
     assert main(["corpus", "status", "--target", "qwen2.5-coder-0.5b-instruct", "--corpus", str(tmp_path)]) == 0
-    assert "qwen2.5-coder-0.5b-instruct/prompts-20000" in capsys.readouterr().out  # its fourth step
+    assert "qwen2.5-coder-0.5b-instruct/prompts-28000" in capsys.readouterr().out  # its fifth step
     assert main(["corpus", "status", "--target", "nosuch"]) == 2
     assert "unknown target 'nosuch'" in capsys.readouterr().err
     assert main(["corpus", "pause", "--corpus", str(tmp_path / "c")]) == 1
@@ -266,3 +266,41 @@ def test_the_regeneration_runs_on_the_threads_it_is_given(tmp_path):
         arguments = regeneration_arguments("smollm2-135m-instruct", tmp_path, 5000, threads)
         assert arguments[arguments.index("--threads") + 1] == str(threads)
     assert "--threads" in regeneration_arguments("smollm2-135m-instruct", tmp_path, 5000)
+
+
+def test_steps_past_the_default_mix_add_the_second_turns_and_take_every_pool_whole(tmp_path):
+    from flashdraft.train.config import PipelineConfig
+    from flashdraft.train.corpus import DEFAULT_MIX_STEP, check_follow_up_step, prompt_mix_arguments
+
+    assert prompt_mix_arguments(DEFAULT_MIX_STEP) == []  # the settings of the steps made before stay the same
+    arguments = prompt_mix_arguments(28000)
+    assert arguments[arguments.index("--sources") + 1].split(",") == [
+        "sharegpt", "leetcode", "codeio", "math", "sharegpt-turn2"]
+    config = PipelineConfig(output=tmp_path, sources=arguments[1], proportions=arguments[3])
+    assert config.proportions["sharegpt-turn2"] > 0 and config.source_names()[-1] == "sharegpt-turn2"
+    sizes = {"sharegpt": 100, "leetcode": 50, "codeio": 50, "math": 100, "sharegpt-turn2": 30}
+    check_follow_up_step(330, sizes)
+    check_follow_up_step(DEFAULT_MIX_STEP, sizes)
+    with pytest.raises(ValueError, match="--num-prompts 30230 or more"):
+        check_follow_up_step(DEFAULT_MIX_STEP + 1, {**sizes, "math": 30000})
+
+
+def test_a_larger_step_holds_every_prompt_of_a_smaller_one():
+    from flashdraft.train.prompts import mix_prompts, user_prompt
+
+    pools = {name: [user_prompt(f"{name}:{i}", name, f"{name} question {i}") for i in range(count)]
+             for name, count in {"a": 40, "b": 25, "new": 15}.items()}
+    old = mix_prompts({k: pools[k] for k in "ab"}, {"a": 1, "b": 1}, 65)
+    new = mix_prompts(pools, {"a": 1, "b": 1, "new": 1}, 80)
+    assert {p.id for p in old} < {p.id for p in new} and len(new) == 80
+
+
+def test_every_target_step_past_the_default_mix_takes_the_real_pools_whole():
+    from flashdraft.train.corpus import DEFAULT_MIX_STEP, FOLLOW_UP_PROPORTIONS, PROMPT_STEPS, check_follow_up_step
+    from flashdraft.train.sources import load_sources
+
+    sizes = {name: len(prompts) for name, prompts in load_sources(tuple(FOLLOW_UP_PROPORTIONS)).items()}
+    assert sizes["sharegpt-turn2"] > 7000
+    assert any(step > DEFAULT_MIX_STEP for step in PROMPT_STEPS.values())
+    for step in PROMPT_STEPS.values():
+        check_follow_up_step(step, sizes)

@@ -164,6 +164,41 @@ def test_sharegpt_keeps_first_user_turns_with_replies_once(tmp_path):
     ]
 
 
+def test_sharegpt_second_turns_keep_the_first_exchange_as_context(tmp_path):
+    def turn(who, text):
+        return {"from": who, "value": text}
+
+    conversations = [
+        {"id": "a", "conversations": [turn("human", "Name a fruit"), turn("gpt", "Apple."), turn("human", "Another?"),
+                                      turn("gpt", "Pear.")]},
+        {"id": "b", "conversations": [turn("human", "Hi"), turn("gpt", "Hello!")]},  # one exchange only
+        {"id": "c", "conversations": [turn("gpt", "x"), turn("human", "y"), turn("gpt", "z")]},  # starts mid-way
+        {"id": "d", "conversations": [turn("human", "name a FRUIT"), turn("gpt", "apple"), turn("human", "another")]},
+        {"id": "e", "conversations": [turn("human", "Q"), turn("gpt", "  "), turn("human", "R")]},  # blank reply
+        {"id": "f", "conversations": [turn("human", "Q"), turn("gpt", "A"), turn("human", "Why?")]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    prompts = sources.load_sharegpt_turn2(path)
+    assert [p.id for p in prompts] == ["sharegpt-turn2:a", "sharegpt-turn2:f"]  # d repeats a once normalised
+    assert prompts[0].messages == ({"role": "user", "content": "Name a fruit"},
+                                   {"role": "assistant", "content": "Apple."},
+                                   {"role": "user", "content": "Another?"})
+    assert (prompts[0].source, prompts[0].response, prompts[1].response) == ("sharegpt-turn2", "Pear.", None)
+
+
+def test_second_turns_are_left_out_of_the_default_mix(tmp_path):
+    from flashdraft.train.config import PipelineConfig
+
+    assert sources.DEFAULT_SOURCES == ("sharegpt", "leetcode", "codeio", "math")
+    assert set(sources.DEFAULT_PROPORTIONS) == set(sources.DEFAULT_SOURCES)
+    assert PipelineConfig(output=tmp_path).source_names() == sources.DEFAULT_SOURCES
+    with pytest.raises(ValueError, match="no weight to the source.*sharegpt-turn2=WEIGHT"):
+        PipelineConfig(output=tmp_path, sources="sharegpt,sharegpt-turn2")
+    config = PipelineConfig(output=tmp_path, sources="sharegpt,sharegpt-turn2", proportions="sharegpt=1,sharegpt-turn2=1")
+    assert config.source_names() == ("sharegpt", "sharegpt-turn2")
+
+
 def test_leetcode_statements_become_requests_with_the_method_to_write(tmp_path):
     problem = {
         "problem_name": "two_sum",
