@@ -195,7 +195,8 @@ def test_second_turns_are_left_out_of_the_default_mix(tmp_path):
     assert PipelineConfig(output=tmp_path).source_names() == sources.DEFAULT_SOURCES
     with pytest.raises(ValueError, match="no weight to the source.*sharegpt-turn2=WEIGHT"):
         PipelineConfig(output=tmp_path, sources="sharegpt,sharegpt-turn2")
-    config = PipelineConfig(output=tmp_path, sources="sharegpt,sharegpt-turn2", proportions="sharegpt=1,sharegpt-turn2=1")
+    config = PipelineConfig(output=tmp_path, sources="sharegpt,sharegpt-turn2",
+                            proportions="sharegpt=1,sharegpt-turn2=1")
     assert config.source_names() == ("sharegpt", "sharegpt-turn2")
 
 
