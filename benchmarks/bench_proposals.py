@@ -5,13 +5,16 @@ order), greedy, with the chat template and the target's stop tokens.
 
     python benchmarks/bench_proposals.py --dataset humaneval --prompts 6 --max-new-tokens 128
     python benchmarks/bench_proposals.py --near-best 0.97 0.93   # the hybrid's planner band, each value a method
+    python benchmarks/bench_proposals.py --planned-sizes   # also hybrid and dflash without confidence sizing
 
 `flashdraft bench` compares against transformers' `generate`, which does not run on flashdraft's CPU engine; this
 isolates what the proposals add on top of it. Like the CLI, it chooses how torch's threads wait before torch
 loads (`choose_thread_waiting`).
 Prints one line per prompt (tokens/s of each, whether all outputs agree), the mean tokens/s and the pooled tau.
 `--near-best` runs the hybrid once per value of `flashdraft.proposals.NEAR_BEST` (a round takes the longest of the
-options within that fraction of the best expected tokens per second).
+options within that fraction of the best expected tokens per second). `--planned-sizes` adds "hybrid-planned" and
+"dflash-planned": greedy rounds of the planner's size, not sized again by the draft's confidence
+(`HybridProposer.size_by_confidence` off).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most")
     parser.add_argument("--near-best", type=float, nargs="+", default=[], metavar="F",
                         help="also run the hybrid with these planner bands (default: only the library's)")
+    parser.add_argument("--planned-sizes", action="store_true",
+                        help="also run hybrid and dflash with rounds of the planned size (no confidence sizing)")
     args = parser.parse_args()
 
     model, tokenizer = flashdraft.load_target(args.target)
@@ -55,6 +60,9 @@ def main() -> None:
     }
     for band in args.near_best:
         methods[f"hybrid@{band}"] = lambda ids, band=band: with_band(band, lambda: methods["hybrid"](ids))
+    if args.planned_sizes:
+        for name in ("hybrid", "dflash"):
+            methods[f"{name}-planned"] = lambda ids, name=name: planned_sizes(lambda: methods[name](ids))
     samples = get_dataset(args.dataset).load(args.prompts)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": s.turns[0]}]) for s in samples]
     for run in methods.values():  # warm-up: kernels, verify costs, caches
@@ -86,6 +94,15 @@ def with_band(band: float, run):
         return run()
     finally:
         proposals.NEAR_BEST = default
+
+
+def planned_sizes(run):
+    """`run()` with greedy rounds of the planner's size (confidence sizing off), restored after."""
+    proposals.HybridProposer.size_by_confidence = False
+    try:
+        return run()
+    finally:
+        proposals.HybridProposer.size_by_confidence = True
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ class Batch:
             plan = None
             if row.proposer is not None and size > 1:
                 row.proposer.costs = costs
-                plan = row.proposer.prepare(_take(row.pending), size)
+                plan = row.proposer.prepare(_take(row.pending), size, greedy=row.params.greedy)
             plans.append(plan)
         drafting = [i for i, plan in enumerate(plans) if plan is not None and plan.draft]
         draft_logits = dict.fromkeys(range(len(rows)))

@@ -171,7 +171,7 @@ def _proposer(
     target: TargetModel, draft: DFlashDraftModel | Proposer | None, proposals: str | None, block_size: int | str | None
 ) -> tuple[Proposer | None, int, BlockSizeController | None]:
     """What `stream`'s `draft`, `proposals` and `block_size` mean: (the proposer, None for plain decoding; the
-    largest round's size; the controller choosing each round's size, for the draft alone under "auto")."""
+    largest round's size; the controller choosing each round's size, for a proposer object alone under "auto")."""
     proposals = proposal_mode(draft, proposals)
     dflash = DFlashProposer(draft, target) if isinstance(draft, DFlashDraftModel) else draft
     if proposals == "dflash":
@@ -180,7 +180,10 @@ def _proposer(
         if block_size == "auto":
             if native is None or native < 2:
                 return dflash, 1, None
-            return dflash, native, BlockSizeController(native, *cached_costs(target, dflash, native))
+            costs = cached_costs(target, dflash, native)
+            if isinstance(dflash, DFlashProposer):  # as a batch runs it: rounds sized by the draft's confidence
+                return HybridProposer(target, dflash, native, costs, lookup=False), native, None
+            return dflash, native, BlockSizeController(native, *costs)
         return dflash, block_size if block_size is not None else native or 1, None
     check_block_size(block_size, has_draft=proposals is not None)
     if proposals is None:

@@ -269,6 +269,14 @@ class Plan:
         return ["lookup"] * self.lookup + ["dflash"] * (self.size - 1 - self.lookup)
 
 
+def confidences(logits: torch.Tensor) -> list[float]:
+    """[n, V_draft] a draft's logits -> the probability it gives its own greedy token at each row. A trained DFlash
+    draft is close to calibrated: a token proposed at confidence c is accepted about c of the time, given the ones
+    before it were (BENCHMARKS.md, "Rounds sized by the draft's confidence")."""
+    logits = logits.float()
+    return (1.0 / torch.exp(logits - logits.amax(-1, keepdim=True)).sum(-1)).tolist()
+
+
 def expected_tokens(rates: list[float]) -> list[float]:
     """E(s) for s = 1..len(rates) + 1: the tokens a round of size s yields given each proposal's acceptance rate."""
     expected, chain = [1.0], 1.0
@@ -283,7 +291,10 @@ class HybridProposer:
 
     With `costs` (the target's verify costs and the draft's pass time) every round takes the option with the most
     expected tokens per second; without, every round proposes all there is: the continuation, then the draft's
-    tokens up to the block size (the fixed block size of `block_size=B`)."""
+    tokens up to the block size (the fixed block size of `block_size=B`). With costs, a greedy round that drafts is
+    sized again from the draft's confidence once it has run (`confident_plan`; off with `size_by_confidence`)."""
+
+    size_by_confidence = True  # a class switch, for benchmarks that compare with rounds of the planned size
 
     def __init__(
         self, target: TargetModel, dflash: DFlashProposer | None, max_size: int,
@@ -324,19 +335,23 @@ class HybridProposer:
     @torch.no_grad()
     def propose(self, anchor, context, start, block_size, size, params=GREEDY, generator=None):
         """`Proposer.propose`: the plan's proposals, from the lookup, the draft or both."""
-        plan = self.prepare(context, size)
+        plan = self.prepare(context, size, greedy=params.greedy)
         logits = tokens = None
         if plan.draft:  # at the draft's own block (`block_size`), whatever the loop's
             logits, tokens = self.dflash.round_logits(anchor, self.take_context(), start, self.block_size, plan.size)
         return self.complete(logits, params, generator, tokens)
 
-    def prepare(self, context: torch.Tensor | None, size: int) -> Plan:
+    def prepare(self, context: torch.Tensor | None, size: int, greedy: bool = False) -> Plan:
         """A round's first half: keep the new context, plan the round. When the plan drafts, the caller runs the
-        draft on `take_context()` (a batch drafts all its rows in one pass) and hands the logits to `complete`."""
+        draft on `take_context()` (a batch drafts all its rows in one pass) and hands the logits to `complete`.
+        `greedy` with costs: a plan that drafts covers the draft's whole block, and `complete` sizes the round from
+        the draft's confidences."""
         if context is not None:
             self.pending.append(context)
         continuation, n = self.index.continuation(size - 1) if self.lookup else ([], 0)
         plan = self.plan(continuation, n, size)
+        if greedy and self.costs is not None and plan.draft and self.size_by_confidence:
+            plan = Plan(plan.lookup, max(plan.size, min(size, self.block_size)), True)
         self.round = (continuation, n, plan)
         return plan
 
@@ -350,18 +365,34 @@ class HybridProposer:
                  draft_greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A round's second half: the planned proposals and q, given the draft's [plan.size - 1, V_draft] logits
         when the plan drafts (and their argmax as target ids, where the draft's pass gave it)."""
-        continuation, _, plan = self.round
+        continuation, n, plan = self.round
+        if plan.draft and params.greedy and self.costs is not None and self.size_by_confidence:
+            plan = self.confident_plan(plan, n, draft_logits[plan.lookup : plan.size - 1])
+            self.round = (continuation, n, plan)
         vocab_size = self.target.vocab_size
         proposals = torch.tensor(continuation[: plan.lookup], dtype=torch.long, device=self.target.device)
         q = None if params.greedy else lookup_q(proposals, vocab_size)
         if plan.draft and params.greedy and draft_greedy is not None:
-            return torch.cat([proposals, draft_greedy[plan.lookup :]]), None
+            return torch.cat([proposals, draft_greedy[plan.lookup : plan.size - 1]]), None
         if plan.draft:
-            logits = draft_logits[plan.lookup :]
+            logits = draft_logits[plan.lookup : plan.size - 1]
             drafted, draft_q = draft_tokens(logits, self.dflash.vocab_ids, params, generator, vocab_size)
             proposals = torch.cat([proposals, drafted])
             q = None if q is None else torch.cat([q, draft_q])
         return proposals, q
+
+    def confident_plan(self, plan: Plan, n: int, draft_logits: torch.Tensor) -> Plan:
+        """A greedy round's size chosen again once the draft has run: the size up to `plan.size` with the most
+        expected tokens per second, where the draft's positions count at the draft's own confidence in each token
+        (this round's, not the running rates) and the lookup's at its running rates; the draft's pass is spent
+        either way, and priced in every option as part of the round's time. The round keeps the planned lookup
+        tokens and at least one of the draft's: its verdict keeps the draft's running rates, which decide whether
+        to draft at all, up to date."""
+        verify, draft_seconds = self.costs
+        lookup_rates = self.lookup_acceptance[n].rates()[: plan.lookup] if plan.lookup else []
+        expected = expected_tokens(lookup_rates + confidences(draft_logits))
+        sizes = range(min(plan.lookup + 2, plan.size), plan.size + 1)
+        return Plan(plan.lookup, max(sizes, key=lambda s: expected[s - 1] / (verify(s) + draft_seconds)), True)
 
     def plan(self, continuation: list[int], n: int, size: int) -> Plan:
         """This round's proposals, given the continuation (matched over n tokens) and the largest size allowed."""

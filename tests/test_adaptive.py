@@ -245,7 +245,7 @@ def test_auto_with_a_random_draft_falls_back_to_plain_decoding(cpu_like_costs):
     target = tiny_target("llama", seed=2)
     result = flashdraft.generate(target, tiny_draft(target, block_size=8), [3, 4], max_new_tokens=60,
                                  block_size="auto", proposals="dflash")
-    assert result.block_sizes[0] == 8
+    assert result.block_sizes[0] >= 2  # the first round drafts; the draft's confidence sizes what is verified
     assert result.block_sizes[-20:].count(1) >= 19  # at most one probe among the last rounds
 
 
@@ -266,9 +266,9 @@ class RecordingProposer(DFlashProposer):
         super().begin(max_positions)
         self.calls = []
 
-    def propose(self, anchor, context, start, *args):
+    def round_logits(self, anchor, context, start, *args):
         self.calls.append((start, context.shape[1]))
-        return super().propose(anchor, context, start, *args)
+        return super().round_logits(anchor, context, start, *args)
 
 
 def test_rounds_without_drafting_still_give_the_draft_their_context(cpu_like_costs):

@@ -330,9 +330,9 @@ def test_prompts_that_begin_alike_are_prefilled_from_their_shared_prefix(engine,
         widths.append([(start, len(chunk)) for chunk, start in zip(chunks, starts)])
         return prefill_rows(chunks, starts, cache, layer_ids)
 
-    def captured(proposer, context, size):
+    def captured(proposer, context, size, greedy=False):
         contexts.setdefault(proposer, context)  # a row's first round: the prompt's features
-        return prepare(proposer, context, size)
+        return prepare(proposer, context, size, greedy)
 
     monkeypatch.setattr(target, "prefill_rows", counted)
     monkeypatch.setattr(HybridProposer, "prepare", captured)

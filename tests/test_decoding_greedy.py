@@ -169,6 +169,6 @@ def test_the_default_block_size_is_auto_as_in_the_cli_and_the_server(monkeypatch
     for size, length in zip(fixed.block_sizes, fixed.acceptance_lengths):
         assert size == min(16, 40 - emitted)
         emitted += length
-    # The first round probes the whole block (it costs 1.6 steps here); the adaptive choice then turns a random
-    # draft's speculation off.
-    assert default.block_sizes[0] == 16 and 1 in default.block_sizes
+    # The first round drafts the whole block (it costs 1.6 steps here) and verifies as much of it as the draft's
+    # confidence pays for, at least one token; the adaptive choice then turns a random draft's speculation off.
+    assert default.block_sizes[0] >= 2 and 1 in default.block_sizes

@@ -11,7 +11,7 @@ import flashdraft.batching
 import flashdraft.decoding as decoding
 from flashdraft.adaptive import VerifyCosts, first_probe_size
 from flashdraft.lookup import ContextIndex
-from flashdraft.proposals import Acceptance, DFlashProposer, HybridProposer, Plan, expected_tokens
+from flashdraft.proposals import Acceptance, DFlashProposer, HybridProposer, Plan, confidences, expected_tokens
 from flashdraft.target import TargetModel
 
 from tiny import ARCHITECTURES, greedy_reference, random_case, tiny_draft, tiny_target
@@ -20,6 +20,7 @@ MASK = 1
 TARGETS = {arch: tiny_target(arch, seed=20 + i, forbid_token=MASK) for i, arch in enumerate(ARCHITECTURES)}
 DRAFTS = {arch: tiny_draft(t, block_size=8, mask_token_id=MASK) for arch, t in TARGETS.items()}
 COSTS = VerifyCosts({1: 1.0, 2: 1.3, 4: 1.5, 8: 1.6, 16: 1.8})  # CPU-like, as in test_adaptive
+FLAT_COSTS = VerifyCosts({1: 1.0, 16: 1.0})  # every size costs one step: a greedy round keeps all it drafted
 
 
 # ------------------------------------------------------------------ the index
@@ -84,6 +85,67 @@ def test_acceptance_counts_what_a_round_tested_from_its_first_position():
 
 def test_expected_tokens_chain_the_acceptance_rates():
     assert expected_tokens([0.8, 0.5]) == pytest.approx([1.0, 1.8, 2.2])
+
+
+def test_confidences_are_the_probability_of_each_rows_greedy_token():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, -1.0], [100.0, 0.0, 0.0, 0.0]])
+    expected = [0.25, torch.softmax(logits[1], -1).max().item(), 1.0]
+    assert confidences(logits) == pytest.approx(expected)
+    assert confidences(logits.bfloat16()) == pytest.approx(expected, rel=1e-2)  # a draft in bfloat16
+
+
+def draft_logits(confidence: list[float], vocab: int = 64) -> torch.Tensor:
+    """Logits whose rows give their first token each probability in `confidence` (the rest shared evenly)."""
+    rows = []
+    for c in confidence:
+        rest = (1.0 - c) / (vocab - 1)
+        rows.append(torch.tensor([c] + [rest] * (vocab - 1)).log())
+    return torch.stack(rows)
+
+
+def test_a_greedy_round_is_sized_by_the_drafts_confidence_in_each_token():
+    proposer = hybrid()
+    # Under COSTS (and a 0.1-step draft pass): confident first two tokens, then a likely miss. Three tokens
+    # (E = 2.97 for 1.5 steps) beat the whole block (E = 3.17 for 1.7) and two (E = 1.99 for 1.4).
+    plan = proposer.confident_plan(Plan(0, 8, True), 0, draft_logits([0.99, 0.99, 0.05, 0.9, 0.9, 0.9, 0.9]))
+    assert plan == Plan(0, 3, True)
+    assert proposer.confident_plan(Plan(0, 8, True), 0, draft_logits([0.99] * 7)) == Plan(0, 8, True)
+    # Nothing the draft believes in: still one of its tokens, whose verdict teaches the running rates.
+    assert proposer.confident_plan(Plan(0, 8, True), 0, draft_logits([0.26] * 7)) == Plan(0, 2, True)
+
+
+def test_a_confident_round_keeps_the_lookup_at_its_running_rates():
+    proposer = hybrid()
+    set_rates(proposer.lookup_acceptance[3], 0.95)
+    assert proposer.confident_plan(Plan(2, 8, True), 3, draft_logits([0.99] * 6)) == Plan(2, 8, True)
+    # The draft unsure after the lookup's two tokens: the lookup's part and one of the draft's.
+    assert proposer.confident_plan(Plan(2, 8, True), 3, draft_logits([0.05] * 6)) == Plan(2, 4, True)
+    assert proposer.confident_plan(Plan(2, 3, True), 3, draft_logits([0.99])) == Plan(2, 3, True)
+
+
+def test_a_greedy_plan_that_drafts_covers_the_drafts_whole_block_and_the_round_is_sized_after():
+    proposer = hybrid(costs=(VerifyCosts({1: 1.0, 2: 1.1, 4: 1.5, 8: 3.0}), 0.1))  # 8 tokens cost 3 steps
+    proposer.begin(64)
+    set_rates(proposer.draft_acceptance, 0.6)
+    assert proposer.plan([], 0, 8) == Plan(0, 4, True)  # by the running rates alone: a shorter round
+    assert proposer.prepare(None, 8, greedy=False).size < 8  # sampling: as planned
+    assert proposer.prepare(None, 8, greedy=True) == Plan(0, 8, True)
+    assert proposer.prepare(None, 5, greedy=True) == Plan(0, 5, True)  # never past the budget
+    without_costs = hybrid(costs=None)
+    without_costs.begin(64)
+    assert without_costs.prepare(None, 8, greedy=True) == Plan(0, 8, True)  # a fixed block size: all of it
+    proposer.size_by_confidence = False  # the switch benchmarks compare with: the planned size
+    assert proposer.prepare(None, 8, greedy=True) == Plan(0, 4, True)
+
+
+def test_the_draft_alone_under_auto_is_sized_by_confidence_as_a_batch_runs_it(cpu_like_costs):
+    target = TargetModel(TARGETS["llama"])
+    proposer, max_size, controller = decoding._proposer(target, DRAFTS["llama"], "dflash", "auto")
+    assert isinstance(proposer, HybridProposer) and not proposer.lookup and controller is None and max_size == 8
+    prompt = [3, 4, 5, 3, 4]
+    result = flashdraft.generate(TARGETS["llama"], DRAFTS["llama"], prompt, max_new_tokens=60, proposals="dflash")
+    assert result.tokens == greedy_reference(TARGETS["llama"], prompt, 60)
+    assert set(result.tokens_by_source) <= {"target", "dflash"}
 
 
 def hybrid(with_draft=True, max_size=8, costs=(COSTS, 0.1)):
@@ -280,7 +342,7 @@ def test_rounds_without_the_draft_still_give_it_their_context(cpu_like_costs, mo
 
 
 def test_the_lookup_is_scored_in_rounds_that_did_not_use_it():
-    proposer = hybrid(max_size=8)
+    proposer = hybrid(max_size=8, costs=(FLAT_COSTS, 0.1))  # the random draft's block kept whole
     proposer.begin(64)
     set_rates(proposer.draft_acceptance, 0.9)  # the draft beats an unproven lookup
     proposer.draft_observed = True
