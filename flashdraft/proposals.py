@@ -19,7 +19,9 @@ that, for the greedy and the sampled rule alike. A continuation is scored once t
 miss (or all of it), in later rounds if need be; scoring only what a round verified would leave the positions past
 short rounds at their prior for good, and the estimates would keep the rounds short. The draft is scored where its
 tokens were verified; while it does not pay, a probe round runs it after 32 rounds without it, then 64, 128, ...
-(as `flashdraft.adaptive` does).
+(as `flashdraft.adaptive` does). A greedy round that drafts is sized again once the draft has run, from the
+probability the draft gives each of its tokens (`HybridProposer.confident_plan`): the round stops where the draft
+stops believing, and goes the whole block where it is sure.
 
 Sampling stays exact: a lookup token is a draw from a one-hot q (`lookup_q`), which the rejection rule accepts with
 probability p(token) and otherwise resamples from p without it; the draft's tokens are drawn from its own q. Every
