@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from flashdraft.evaluation.datasets import get_dataset
 from flashdraft.evaluation.replay import cached_greedy_answers, replay_text
 from flashdraft.models import load_draft, load_target, shipped_draft
-from flashdraft.proposals import DFlashProposer, confidences
+from flashdraft.proposals import GREEDY, DFlashProposer, confidences, draft_tokens
 from flashdraft.sampling import matching_prefix
 from flashdraft.target import TargetModel
 from flashdraft.text import encode_chat, stop_token_ids
@@ -57,7 +55,8 @@ def main() -> None:
                 size = min(block, text.answer_length - emitted)
                 logits, _ = proposer.round_logits(ids[start : start + 1], text.features[:, seen:start], start, block)
                 logits = logits[: size - 1]
-                matched = int(matching_prefix(proposer_tokens(proposer, logits), ids[start + 1 : start + size]))
+                proposals = draft_tokens(logits, proposer.vocab_ids, GREEDY, None, target.vocab_size)[0]
+                matched = int(matching_prefix(proposals, ids[start + 1 : start + size]))
                 for k, confidence in enumerate(confidences(logits)[: min(matched + 1, size - 1)]):
                     bin_ = next(b for b in range(len(EDGES) - 1) if confidence <= EDGES[b + 1])
                     tested[bin_] += 1
@@ -69,12 +68,6 @@ def main() -> None:
     for b in range(len(EDGES) - 1):
         share = f"{accepted[b] / tested[b]:.3f}" if tested[b] else "-"
         print(f"| {EDGES[b]:.2f}-{EDGES[b + 1]:.2f} | {tested[b]} | {share} |")
-
-
-def proposer_tokens(proposer: DFlashProposer, logits: torch.Tensor) -> torch.Tensor:
-    """The draft's greedy proposals as target ids."""
-    columns = logits.argmax(-1)
-    return columns if proposer.vocab_ids is None else proposer.vocab_ids[columns]
 
 
 if __name__ == "__main__":
