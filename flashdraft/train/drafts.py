@@ -122,6 +122,25 @@ def save_trained_draft(
     return output_dir
 
 
+RUN_RECORD = ("what", "command", "summary", "settings", "data", "evaluation")  # a run's entry in a lineage
+
+
+def lineage(init_draft: str | Path) -> list[dict]:
+    """The runs behind the draft a run continues (`--init-draft`): the earlier runs its training.json lists under
+    `runs`, then its own run; so that a draft continued many times keeps how each step was made. Empty for a draft
+    without training.json (one converted from elsewhere)."""
+    path = Path(init_draft) / "training.json"
+    if not path.is_file():
+        return []
+    try:
+        earlier = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): fix or remove it to continue the draft") from None
+    own = {key: earlier[key] for key in RUN_RECORD if key in earlier}
+    own.setdefault("what", f"the draft continued from ({Path(init_draft).name})")
+    return [*earlier.get("runs", []), own]
+
+
 def model_card(draft: DFlashDraftModel, summary: TrainSummary, card: Mapping) -> str:
     """The model card: what the draft is for, how it was trained, and what it reaches."""
     config = draft.config
@@ -169,6 +188,7 @@ def model_card(draft: DFlashDraftModel, summary: TrainSummary, card: Mapping) ->
     else:
         lines.append("Not evaluated.")
     lines += learning_curve(summary)
+    lines += earlier_runs(card.get("runs") or [])
     lines += ["", "## Reproduce", "", "```", card.get("command", ""), "```", ""]
     return "\n".join(lines)
 
@@ -190,6 +210,20 @@ def learning_curve(summary: TrainSummary) -> list[str]:
         lines.append(f"| {evaluation['step']} | {round(evaluation['step'] * per_step)} | "
                      + " | ".join("-" if t is None else f"{t:.2f}" for t in taus)
                      + f" | {'-' if loss is None else f'{loss:.3f}'} |")
+    return lines
+
+
+def earlier_runs(runs: list[dict]) -> list[str]:
+    """The model card's list of the runs the draft continues, oldest first, each with its steps and command."""
+    if not runs:
+        return []
+    lines = ["", "## Earlier runs", "", "This draft continues these runs, oldest first (training.json has them whole):",
+             ""]
+    for number, run in enumerate(runs, 1):
+        summary = run.get("summary") or {}
+        steps = f"{summary['steps']} steps over {summary.get('train_sequences', '?')} sequences: " if (
+            "steps" in summary) else ""
+        lines.append(f"{number}. {run.get('what', 'a run')}; {steps}`{run.get('command', 'command not recorded')}`")
     return lines
 
 

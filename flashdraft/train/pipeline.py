@@ -398,7 +398,7 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     from ..text import stop_token_ids
     from .corpus import response_counts
     from .distributed import barrier
-    from .drafts import init_from_target, save_trained_draft, seed_everything, start_from_draft
+    from .drafts import init_from_target, lineage, save_trained_draft, seed_everything, start_from_draft
     from .features import FeatureStore, OnlineFeatures, build_feature_store, engine_features_hint
     from .loss import DraftVocabulary, label_counts
     from .prompts import read_prompt_file
@@ -444,8 +444,10 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
     seed_everything(config.training_seed)  # the draft's random initialisation (e.g. fc) is part of a reproducible run
     draft = DFlashDraftModel.for_target(model.config, num_layers=config.draft_layers, block_size=config.block_size,
                                         mask_token_id=mask_token_id, target_layer_ids=layer_ids)
+    earlier_runs = []  # the runs behind --init-draft, read now: a damaged training.json fails before training
     if config.init_draft:
         start = DFlashDraftModel.from_pretrained(config.init_draft)
+        earlier_runs = lineage(config.init_draft)
         (layers, *others), (wanted, *asked) = _draft_shape(start), _draft_shape(draft)
         if others != asked or layers > wanted:
             raise ValueError(
@@ -504,6 +506,8 @@ def _run_stages(config: PipelineConfig, command: str, train_config, dist, work: 
                          "global batch (sequences)": trainer.global_batch, "peak learning rate": config.learning_rate},
             "command": command,
         }
+        if earlier_runs:
+            card["runs"] = earlier_runs
         folder = save_trained_draft(trainer.kept_draft(), output, summary, card)
         taus = ", ".join(f"{k} {v:.2f}" for k, v in (summary.best or {}).get("tau", {}).items())
         _say(f"draft written to {folder} (steps {summary.steps}, {summary.seconds / 60:.1f} min"

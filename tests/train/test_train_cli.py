@@ -367,6 +367,13 @@ def test_init_draft_starts_from_an_earlier_draft_and_must_match_it_but_for_the_b
                        "--eval-every", "0", "--init-draft", str(tmp_path / "draft")) + ["-o", str(tmp_path / "d2")]
     assert main(later) == 0
     second = DFlashDraftModel.from_pretrained(tmp_path / "d2")
+    # The continued draft carries the run it started from, and says so in its model card.
+    before = json.loads((tmp_path / "draft" / "training.json").read_text())
+    assert "runs" not in before
+    runs = json.loads((tmp_path / "d2" / "training.json").read_text())["runs"]
+    assert runs == [{"what": "the draft continued from (draft)", "command": before["command"],
+                     "summary": before["summary"], "settings": before["settings"], "data": before["data"]}]
+    assert "## Earlier runs" in (tmp_path / "d2" / "README.md").read_text()
     for name, tensor in first.state_dict().items():
         assert torch.allclose(second.state_dict()[name], tensor, atol=1e-6), name
     err = run_failing(later + ["--feature-layers", "0,1", "--run-name", "mismatch"], capsys)

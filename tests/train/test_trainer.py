@@ -21,6 +21,7 @@ from flashdraft.train import evaluate as evaluate_module
 from flashdraft.train import features as features_module
 from flashdraft.train import trainer as trainer_module
 from flashdraft.train.blocks import TrainingSequence
+from flashdraft.train.drafts import earlier_runs, lineage
 from flashdraft.train.features import FeatureStore, OnlineFeatures, build_feature_store, check_feature_layers
 from flashdraft.train.loss import DraftVocabulary, acceptance_weights
 from flashdraft.train.records import TrainingRecord
@@ -391,6 +392,29 @@ def test_evaluates_by_speculative_decoding_keeps_the_best_and_writes_the_output(
     assert "| step | sequences seen | tau pattern | held-out loss |" in curve
     assert [line for line in curve.splitlines() if line.startswith("| ") and line[2].isdigit()] == rows
     assert json.loads((output / "training.json").read_text())["summary"]["steps"] == 6
+
+
+def test_a_continued_draft_keeps_the_runs_behind_the_draft_it_started_from(tmp_path):
+    first = {"runs": [{"what": "v1: a new draft", "command": "flashdraft train -o v1"}], "what": "v2: v1 again",
+             "command": "flashdraft train -o v2 --init-draft v1", "summary": {"steps": 7, "train_sequences": 30},
+             "data": {"chat": {"sequences": 30, "tokens": 900}}, "target": "tiny", "labels": "not a run's own"}
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "training.json").write_text(json.dumps(first))
+    runs = lineage(tmp_path / "v2")
+    assert runs == [first["runs"][0], {key: first[key] for key in ("what", "command", "summary", "data")}]
+    card = earlier_runs(runs)
+    assert card[1] == "## Earlier runs"
+    assert card[-2:] == ["1. v1: a new draft; `flashdraft train -o v1`",
+                         "2. v2: v1 again; 7 steps over 30 sequences: `flashdraft train -o v2 --init-draft v1`"]
+    # A run's own record without "what" is named by the folder it was continued from.
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "training.json").write_text(json.dumps({"command": "flashdraft train -o plain"}))
+    assert lineage(tmp_path / "plain") == [{"command": "flashdraft train -o plain",
+                                            "what": "the draft continued from (plain)"}]
+    assert lineage(tmp_path) == [] and earlier_runs([]) == []  # no training.json: a draft made elsewhere
+    (tmp_path / "plain" / "training.json").write_text("{not json")
+    with pytest.raises(ValueError, match="training.json is not valid JSON .*: fix or remove it"):
+        lineage(tmp_path / "plain")
 
 
 def test_equal_taus_keep_the_draft_with_the_lower_heldout_loss(tmp_path):
