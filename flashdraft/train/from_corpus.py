@@ -43,7 +43,7 @@ from .averaging import average_drafts
 from .blocks import TrainingSequence
 from .config import HELDOUT_SET, PipelineConfig, TrainConfig, check_prompt_sets, exact_command
 from .corpus import read_corpus
-from .drafts import save_trained_draft, start_from_draft
+from .drafts import lineage, save_trained_draft, start_from_draft
 from .features import OnlineFeatures, engine_features_hint
 from .loss import DraftVocabulary
 from .pipeline import data_counts, eval_prompt_sets
@@ -173,6 +173,7 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     if (hint := engine_features_hint(model)) is not None:
         print(hint, flush=True)
     start = DFlashDraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
+    earlier_runs = lineage(config.init_draft)  # read now: a damaged training.json fails before the training
     vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
     exclude = set().union(*(read_ids(path) for path in run.exclude_ids))
     training, heldout = corpus_sequences(run.corpus, read_ids(run.heldout_ids), config.max_length, exclude)
@@ -233,6 +234,8 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
                          "global batch (sequences)": trainer.global_batch,
                          "peak learning rate": config.learning_rate, "device": str(device)},
             "command": exact_command(drafts_own_shape(config, start)) + " " + shlex.join(run.words)}
+    if earlier_runs:
+        card["runs"] = earlier_runs
     final = save_trained_draft(trainer.draft, out / "float32", summary, card)
     save_bfloat16(trainer.draft, out / "final")
     for name in ("training.json", "README.md"):

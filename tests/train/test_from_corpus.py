@@ -122,7 +122,13 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
                  "--snapshots", ""]) == 0
     assert "12 training records, 4 held out; global batch 4, 3 steps an epoch; 2 steps (given); snapshots at []" in (
         capsys.readouterr().out)
-    assert json.loads((tmp_path / "again" / "float32" / "training.json").read_text())["summary"]["steps"] == 2
+    again = json.loads((tmp_path / "again" / "float32" / "training.json").read_text())
+    assert again["summary"]["steps"] == 2
+    # The continued draft keeps the run behind its start (the first run's start had no training.json: none before).
+    first = json.loads((tmp_path / "out" / "final" / "training.json").read_text())
+    assert "runs" not in first
+    assert [run["command"] for run in again["runs"]] == [first["command"]]
+    assert again["runs"][0]["summary"] == first["summary"] and again["runs"][0]["what"].endswith("(final)")
     # 2 steps of 4 of the 12 records left reach 8 of them, sorted, and no excluded or held-out one.
     reached = (tmp_path / "again" / "reached.txt").read_text().splitlines()
     allowed = {f"pattern:{i}" for i in range(10, 24)} - {"pattern:17", "pattern:20"}
