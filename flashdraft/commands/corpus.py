@@ -150,22 +150,17 @@ def _export(args, corpus: Path, work: Path) -> int:
 
 
 def _regenerate(args, corpus: Path, work: Path) -> int:
-    from flashdraft.train.corpus import (
-        DEFAULT_MIX_STEP,
-        FOLLOW_UP_PROPORTIONS,
-        check_follow_up_step,
-        regeneration_arguments,
-    )
+    from flashdraft.train.corpus import check_follow_up_step, regeneration_arguments, step_proportions
 
     if args.threads < 1 or args.threads > (os.cpu_count() or 1):
         raise ValueError(f"--threads must be between 1 and the {os.cpu_count()} cores here, got {args.threads}")
     if _running(work):
         raise ValueError(f"a regeneration already runs in {work} (process group {_running(work)}): "
                          f"`flashdraft corpus status --target {args.target}`")
-    if num_prompts(args) > DEFAULT_MIX_STEP:
+    if (proportions := step_proportions(num_prompts(args))) is not None:
         from flashdraft.train.sources import load_sources
 
-        pools = load_sources(tuple(FOLLOW_UP_PROPORTIONS))
+        pools = load_sources(tuple(proportions))
         check_follow_up_step(num_prompts(args), {name: len(prompts) for name, prompts in pools.items()})
     _import(args, corpus, work)
     command = [sys.executable, "-m", "flashdraft.cli", *regeneration_arguments(args.target, work, num_prompts(args),

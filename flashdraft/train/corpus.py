@@ -44,8 +44,10 @@ MANIFEST = "manifest.json"
 # finishes in a few sessions, so its first draft trains on the whole mix rather than on its shortest prompts (the
 # regeneration answers prompts shortest first).
 # The Qwen corpus answered its first 2,000 prompts on 2026-12-06, then went 5,000, 10,000, 20,000 and (2026-12-07,
-# at 17,898 records) 28,000: the default mix and ShareGPT's second turns (`FOLLOW_UP_PROPORTIONS`).
-PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 28000}
+# at 17,898 records) 28,000: the default mix and ShareGPT's second turns (`FOLLOW_UP_PROPORTIONS`); then (at
+# 20,328 records, nearly every code prompt of those answered) 30,000, with HumanEval-shaped code
+# (`CODE_FUNCTIONS_PROPORTIONS`).
+PROMPT_STEPS: dict[str, int] = {"smollm2-135m-instruct": 20000, "qwen2.5-coder-0.5b-instruct": 30000}
 FIRST_PROMPT_STEP = 2000
 # Steps up to 20,000 draw from the default mix. Its 19,886 distinct prompts are all in the step of 20,000, so larger
 # steps add ShareGPT's 7,137 second user turns (MT-Bench's turn-2 shape: a first exchange as context). Such a step
@@ -53,6 +55,11 @@ FIRST_PROMPT_STEP = 2000
 # earlier step's (no answered prompt falls out; `check_follow_up_step`).
 DEFAULT_MIX_STEP = 20000
 FOLLOW_UP_PROPORTIONS: dict[str, float] = {**DEFAULT_PROPORTIONS, "sharegpt-turn2": 0.35}
+# Steps from 30,000 on add the documented functions of algorithm and utility packages (`pyfunctions`, 1,286 prompts),
+# as code and in words: by 28,000 every LeetCode and nearly every CodeI/O prompt was answered, and the draft's
+# acceptance on code (HumanEval) moved with the share of code in what it trained on.
+CODE_FUNCTIONS_STEP = 30000
+CODE_FUNCTIONS_PROPORTIONS: dict[str, float] = {**FOLLOW_UP_PROPORTIONS, "pyfunctions": 0.2}
 REGENERATION_MAX_NEW_TOKENS = 512
 FORMAT = 1
 MACHINE_SETTINGS = ("model",)  # settings that name a place on one machine: not compared between machines
@@ -121,20 +128,32 @@ def regeneration_arguments(target: str, work: Path, num_prompts: int, threads: i
             "--work-dir", str(work), "-o", str(work / "out")]
 
 
+def step_proportions(num_prompts: int) -> dict[str, float] | None:
+    """The sources and proportions of a step past the default mix (None up to `DEFAULT_MIX_STEP`): the follow-up
+    mix, and from `CODE_FUNCTIONS_STEP` on the function prompts too. Each such step takes every pool whole."""
+    if num_prompts <= DEFAULT_MIX_STEP:
+        return None
+    return FOLLOW_UP_PROPORTIONS if num_prompts < CODE_FUNCTIONS_STEP else CODE_FUNCTIONS_PROPORTIONS
+
+
 def prompt_mix_arguments(num_prompts: int) -> list[str]:
     """The sources and proportions of a step's prompt set: the default mix's (no arguments, so that the settings
-    of the steps made before there was a choice stay the same) up to `DEFAULT_MIX_STEP`, then the follow-up mix."""
-    if num_prompts <= DEFAULT_MIX_STEP:
+    of the steps made before there was a choice stay the same) up to `DEFAULT_MIX_STEP`, then `step_proportions`."""
+    proportions = step_proportions(num_prompts)
+    if proportions is None:
         return []
-    return ["--sources", ",".join(FOLLOW_UP_PROPORTIONS),
-            "--proportions", ",".join(f"{name}={weight}" for name, weight in FOLLOW_UP_PROPORTIONS.items())]
+    return ["--sources", ",".join(proportions),
+            "--proportions", ",".join(f"{name}={weight}" for name, weight in proportions.items())]
 
 
 def check_follow_up_step(num_prompts: int, pool_sizes: dict[str, int]) -> None:
     """Refuse a step past the default mix that would not take every pool whole (its prompt set would then leave out
     prompts of earlier steps): `pool_sizes` the distinct prompts of each source."""
-    total = sum(pool_sizes[name] for name in FOLLOW_UP_PROPORTIONS)
-    if DEFAULT_MIX_STEP < num_prompts < total:
+    proportions = step_proportions(num_prompts)
+    if proportions is None:
+        return
+    total = sum(pool_sizes[name] for name in proportions)
+    if num_prompts < total:
         raise ValueError(f"a corpus step past {DEFAULT_MIX_STEP} prompts takes every source whole, {total} prompts: "
                          f"{num_prompts} would leave out prompts of the earlier steps; give --num-prompts {total} "
                          "or more")

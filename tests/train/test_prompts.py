@@ -240,6 +240,87 @@ def test_codeio_reads_both_file_layouts_and_keeps_each_task_once(tmp_path):
     assert prompts[0].response == "```python\ndef main_solution(a, b):\n    return a + b\n```"
 
 
+MODULE = '''"""A module of small functions."""
+import collections
+from typing import Any, Iterable as Items, Optional
+
+
+def count_pairs(values: Items[Any], limit: Optional[int] = None) -> int:
+    """Count the pairs of equal values, at most `limit` of them.
+
+    Examples:
+        >>> count_pairs([1, 1, 2])
+        1
+    """
+    counts = collections.Counter(values)
+    return sum(n // 2 for n in counts.values())
+
+
+def stub(x):
+    """A docstring and nothing else: the body is not there to write."""
+
+
+def _private(x):
+    """Private helpers are not public functions to ask for."""
+    return x
+
+
+def short(x):
+    """Too short."""
+    return x
+
+
+@staticmethod
+def plain(a, b=2):
+    """Add b to a, which is what this decorated function does, with no imports.
+    A second line of the first paragraph.
+
+    More detail."""
+    return a + b
+'''
+
+
+def test_documented_functions_become_code_and_requests_in_words():
+    prompts = sources.function_prompts(MODULE, "pkg.mod")
+    assert [p.id for p in prompts] == ["pyfunctions:pkg.mod:count_pairs:code", "pyfunctions:pkg.mod:count_pairs:words",
+                                       "pyfunctions:pkg.mod:plain:code", "pyfunctions:pkg.mod:plain:words"]
+    code, words, plain_code, plain_words = prompts
+    # The imports its signature uses (only those names), then the def line and the docstring: HumanEval's shape.
+    assert code.text == (
+        "from typing import Any, Iterable as Items, Optional\n\n\n"
+        "def count_pairs(values: Items[Any], limit: Optional[int] = None) -> int:\n"
+        '    """Count the pairs of equal values, at most `limit` of them.\n\n    Examples:\n'
+        '        >>> count_pairs([1, 1, 2])\n        1\n    """\n')
+    assert words.text == ("Write a Python function `count_pairs(values: Items[Any], limit: Optional[int]=None) -> int`:"
+                          " Count the pairs of equal values, at most `limit` of them.")
+    assert code.response == words.response and code.response.startswith("```python\ndef count_pairs(")
+    assert code.response.endswith("return sum(n // 2 for n in counts.values())\n```")
+    assert plain_code.text.startswith("def plain(a, b=2):\n")  # no decorator, no import
+    assert plain_words.text == ("Write a Python function `plain(a, b=2)`: Add b to a, which is what this decorated "
+                                "function does, with no imports. A second line of the first paragraph.")
+    assert {p.source for p in prompts} == {"pyfunctions"}
+    assert sources.function_prompts("def broken(:\n", "pkg.bad") == []  # a module that does not parse gives none
+
+
+def test_function_prompts_come_from_every_module_of_a_package_in_path_order(tmp_path):
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text(MODULE)
+    (tmp_path / "pkg" / "a.py").write_text(MODULE.replace("count_pairs", "pairs"))
+    prompts = sources.load_pyfunctions({"pkg": tmp_path / "pkg"})
+    assert [p.id for p in prompts][::2] == [
+        "pyfunctions:pkg.a:pairs:code", "pyfunctions:pkg.a:plain:code", "pyfunctions:pkg.sub.b:count_pairs:code",
+        "pyfunctions:pkg.sub.b:plain:code"]
+
+
+def test_the_installed_function_packages_give_their_prompts():
+    prompts = sources.load_source("pyfunctions")
+    assert len(prompts) == 1286 and len({p.id for p in prompts}) == 1286
+    assert prompts[0].id == "pyfunctions:algorithms.array.delete_nth:delete_nth_naive:code"
+    assert {p.id.split(":")[1].split(".")[0] for p in prompts} == {"algorithms", "algorithms_lib", "boltons"}
+    assert "pyfunctions" not in sources.DEFAULT_SOURCES
+
+
 def test_math_problems_are_distinct_and_seeded():
     problems = sources.generate_math(300, seed=1)
     assert len({p.text for p in problems}) == 300 and len({p.id for p in problems}) == 300
