@@ -153,7 +153,8 @@ class PipelineConfig(TrainConfig):
     draft_vocab_corpus: Path | None = setting(
         None, "choose the drafting vocabulary from the answers of this corpus folder (e.g. corpus/TARGET of the "
         "repository), less this run's held-out records, instead of from this run's training labels: a larger sample "
-        "when the run trains on a draw of the corpus", type=Path)
+        "when the run trains on a draw of the corpus; with --corpus, a continued draft's vocabulary is chosen again "
+        "so (else it keeps --init-draft's)", type=Path)
     # Off since an A/B at equal steps from scratch (BENCHMARKS.md, "The recipe A/B on the draft's initialisation"):
     # random layers reached held-out tau 1.30 after 300 steps, layers copied from the target 1.21.
     init_from_target: bool = setting(

@@ -8,7 +8,8 @@ with the repository).
 
 `train_from_corpus` reads every corpus record but those of `heldout_ids` (and of `exclude_ids`), runs the trainer
 (`Trainer`, one trainer for both ways in) with online target features, the draft's shape, feature layers and
-drafting vocabulary kept from `init_draft`, and sizes the run to the budget: the seconds a step takes
+drafting vocabulary kept from `init_draft` (the vocabulary chosen again from a corpus's answers with
+`draft_vocab_corpus`, `draft_vocab_size` tokens), and sizes the run to the budget: the seconds a step takes
 (`step_seconds`, else timed by a few probe steps) give as many steps as fit in `seconds` (at most `epochs` over the
 records; `max_steps` sets the count instead), with the warmup and cosine decay over exactly those. A continuation
 on the same records needs another seed, or it sees the same records first again. It writes OUT/final, OUT/mean
@@ -42,7 +43,7 @@ from ..text import stop_token_ids
 from .averaging import average_drafts
 from .blocks import TrainingSequence
 from .config import HELDOUT_SET, PipelineConfig, TrainConfig, check_prompt_sets, exact_command
-from .corpus import read_corpus
+from .corpus import read_corpus, response_counts
 from .drafts import lineage, save_trained_draft, start_from_draft
 from .features import OnlineFeatures, engine_features_hint
 from .loss import DraftVocabulary
@@ -100,6 +101,25 @@ def _device(name: str) -> torch.device:
 def drafting_vocabulary(draft: DFlashDraftModel, vocab_size: int) -> DraftVocabulary | None:
     ids = draft.config.dflash_config.get("draft_vocab_ids")
     return DraftVocabulary.from_ids(ids, vocab_size) if ids else None
+
+
+def choose_vocabulary(draft: DFlashDraftModel, corpus: Path, size: int, heldout: set[str]) -> None:
+    """Give `draft` a new drafting vocabulary: the `size` tokens most frequent in `corpus`'s answers, less the
+    held-out records' (0: the full vocabulary). No weight changes (the drafting head is rows of the target's own),
+    so training from there teaches the draft the tokens it could not propose before; and says what that covers."""
+    vocab_size = draft.config.vocab_size
+    counts = torch.from_numpy(response_counts(corpus, vocab_size, exclude=heldout))
+    before = drafting_vocabulary(draft, vocab_size)
+    covered = f"{before.coverage(counts):.1%}" if before else "all"
+    if size == 0 or size >= vocab_size:
+        draft.set_draft_vocab(None)
+        print(f"drafting vocabulary: the full one (the start's covered {covered} of {corpus}'s answer tokens)",
+              flush=True)
+        return
+    chosen = DraftVocabulary.from_counts(counts, size)
+    draft.set_draft_vocab(chosen.ids)
+    print(f"drafting vocabulary: the {size} tokens most frequent in {corpus}'s answers, {chosen.coverage(counts):.1%} "
+          f"of their tokens (the start's covered {covered})", flush=True)
 
 
 def fresh_draft(model, start: DFlashDraftModel) -> DFlashDraftModel:
@@ -174,6 +194,8 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
         print(hint, flush=True)
     start = DFlashDraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
     earlier_runs = lineage(config.init_draft)  # read now: a damaged training.json fails before the training
+    if config.draft_vocab_corpus is not None:
+        choose_vocabulary(start, config.draft_vocab_corpus, config.draft_vocab_size, read_ids(run.heldout_ids))
     vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
     exclude = set().union(*(read_ids(path) for path in run.exclude_ids))
     training, heldout = corpus_sequences(run.corpus, read_ids(run.heldout_ids), config.max_length, exclude)

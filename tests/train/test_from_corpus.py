@@ -12,7 +12,7 @@ from flashdraft import DFlashDraftModel
 from flashdraft.cli import main
 from flashdraft.train.corpus import export_records
 from flashdraft.train.records import TrainingRecord
-from train.test_corpus import write_folder
+from train.test_corpus import SETTINGS, write_folder
 from train.tiny_training import MASK, next_token, one_thread  # noqa: F401
 
 from tiny import tiny_target, tiny_tokenizer
@@ -29,7 +29,7 @@ def target_folder(path: Path) -> Path:
     return path
 
 
-def corpus_folder(path: Path, count: int = 24) -> Path:
+def corpus_folder(path: Path, count: int = 24, settings: dict = SETTINGS) -> Path:
     records = []
     for i in range(count):
         prompt = [5 + (i * 3 + k) % 20 for k in range(4)]
@@ -38,7 +38,8 @@ def corpus_folder(path: Path, count: int = 24) -> Path:
             response.append(5 + (next_token(response[-1]) - 5) % 55)
         records.append(TrainingRecord(id=f"pattern:{i}", source="pattern", input_ids=prompt + response,
                                       response_start=len(prompt)))
-    export_records(write_folder(path.parent / f"{path.name}-work", records), path, target="tiny", command="test")
+    export_records(write_folder(path.parent / f"{path.name}-work", records, settings), path, target="tiny",
+                   command="test")
     return path
 
 
@@ -140,6 +141,38 @@ def test_training_on_the_corpus_fits_the_budget_leaves_the_held_out_records_out_
     assert main(["draft", "evaluate", *common, str(start)]) == 2
     assert re.search("1 held-out ids are not in .*, e.g. pattern:99: the list belongs to another",
                      capsys.readouterr().err)
+
+
+def test_a_continued_draft_can_take_a_vocabulary_chosen_again_from_the_corpus(tmp_path, capsys):
+    from flashdraft.train.corpus import response_counts
+    from flashdraft.train.loss import DraftVocabulary
+
+    source = target_folder(tmp_path / "target")
+    corpus = corpus_folder(tmp_path / "corpus", settings={**SETTINGS, "vocab_size": 96})  # the tiny target's
+    start = draft_folder(tmp_path / "draft", vocab=range(5, 15))  # ten tokens, few of them in the answers
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("pattern:3\npattern:17\n")
+    common = ["--target", str(source), "--corpus", str(corpus), "--heldout-ids", str(heldout), "--device", "cpu",
+              *RECIPE, "--init-draft", str(start), "--max-steps", "1", "--batch-size", "2", "--num-anchors", "4",
+              "--snapshots", ""]
+    assert main(["train", "-o", str(tmp_path / "out"), *common, "--draft-vocab-corpus", str(corpus),
+                 "--draft-vocab-size", "12"]) == 0
+    counts = torch.from_numpy(response_counts(corpus, 96, exclude={"pattern:3", "pattern:17"}))
+    chosen = DraftVocabulary.from_counts(counts, 12)
+    before = DraftVocabulary.from_ids(list(range(5, 15)), 96)
+    printed = capsys.readouterr().out
+    assert (f"drafting vocabulary: the 12 tokens most frequent in {corpus}'s answers, {chosen.coverage(counts):.1%} "
+            f"of their tokens (the start's covered {before.coverage(counts):.1%})") in printed
+    for name in ("final", "mean", "float32"):  # the run's draft and its mean with the start draft over the new one
+        assert DFlashDraftModel.from_pretrained(tmp_path / "out" / name).draft_vocab_ids.tolist() == (
+            chosen.ids.tolist()), name
+    card = json.loads((tmp_path / "out" / "float32" / "training.json").read_text())
+    assert f"--draft-vocab-size 12 --draft-vocab-corpus {corpus}" in card["command"]
+    # 0: the full vocabulary.
+    assert main(["train", "-o", str(tmp_path / "full"), *common, "--draft-vocab-corpus", str(corpus),
+                 "--draft-vocab-size", "0"]) == 0
+    assert "drafting vocabulary: the full one" in capsys.readouterr().out
+    assert DFlashDraftModel.from_pretrained(tmp_path / "full" / "final").draft_vocab_ids is None
 
 
 def test_a_progress_line_says_the_time_left_at_this_process_pace(monkeypatch):
