@@ -382,7 +382,7 @@ class Source:
 
     name: str
     kind: str  # "chat", "code" or "math"
-    requirement: str | None  # the pip requirement that ships its data; None when generated here
+    requirement: str | None  # the pip requirements that ship its data (comma-separated); None when generated here
     load: Callable[[], list[Prompt]]
     in_default_mix: bool = True  # mixed when no --sources names the sources
 
