@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+from flashdraft.commands.options import at_least
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from flashdraft.commands.llama_cpp import add_llama_cpp_option
@@ -77,10 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="prompt sets to measure tau on, comma separated: heldout (the held-out records' "
                           "prompts), built-in humaneval, gsm8k, mt-bench, alpaca (their last prompts, apart from "
                           "the benchmark's samples), or .jsonl files (default: heldout)")
-    evaluate.add_argument("--prompts", type=int, default=32, help="prompts per set to measure tau on (default: 32)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=128,
+    evaluate.add_argument("--prompts", type=at_least(1), default=32,
+                          help="prompts per set to measure tau on (default: 32)")
+    evaluate.add_argument("--max-new-tokens", type=at_least(1), default=128,
                           help="length of the target's answer to each prompt (default: 128)")
-    evaluate.add_argument("--max-length", type=int, default=2048, help="truncate records to this many tokens "
+    evaluate.add_argument("--max-length", type=at_least(1), default=2048, help="truncate records to this many tokens "
                           "(default: 2048, flashdraft train's)")
     evaluate.add_argument("--device", default="auto", help="torch device (default: auto = cuda when available)")
     evaluate.add_argument("--work-dir", type=Path, default=None,

@@ -49,7 +49,8 @@ def setting(default: Any = MISSING, help: str = "", *, shown: str | None = None,
     (e.g. -o), `flag` (the option's name, when not the field's), `group` (the help group this
     field opens, `OPTION_GROUPS`), `repeat` (the option may be given several times), `metavar`, and
     `result=False` for a setting that changes how a run goes but not what it trains (where files go, threads,
-    checkpoint cadence): every other setting is part of the run's identity (`run_identity`)."""
+    checkpoint cadence): every other setting is part of the run's identity (`run_identity`). A number's range:
+    `at_least` (inclusive) or `above` (exclusive), checked by `check_ranges` before any model loads."""
     metadata = {"help": help, "shown": shown, **cli}
     if isinstance(default, dict | list):  # mutable: every config gets its own copy
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
@@ -62,57 +63,49 @@ class TrainConfig:
     lives in the draft's config. `PipelineConfig` inherits these fields, so `flashdraft train` has an option for
     each (`learning_rate` is `--lr`) and the trainer alone trains as the command does."""
 
-    epochs: int = setting(3, "passes over the training sequences", group="training")
-    max_steps: int | None = setting(None, "optimizer steps, overriding --epochs", type=int)
-    num_anchors: int = setting(64, "random blocks per sequence, redrawn every epoch")
+    epochs: int = setting(3, "passes over the training sequences", group="training", at_least=1)
+    max_steps: int | None = setting(None, "optimizer steps, overriding --epochs", type=int, at_least=1)
+    num_anchors: int = setting(64, "random blocks per sequence, redrawn every epoch", at_least=1)
     gamma: float | None = setting(
         None, "loss weight decay over block positions, exp(-(k-1)/gamma)", shown="7 at block 16, 4 at block 8",
-        type=float)
+        type=float, above=0)
     loss_weights: str = setting(
         "decay", "how the loss weighs block positions: decay = exp(-(k-1)/gamma); acceptance = by what each position "
         "adds to the expected accepted length under the draft's running per-position accuracy (later positions "
         "count as far as the earlier ones are accepted; floored at 0.05)", choices=LOSS_WEIGHTINGS)
-    learning_rate: float = setting(6e-4, "peak AdamW learning rate", flag="--lr")
+    learning_rate: float = setting(6e-4, "peak AdamW learning rate", flag="--lr", above=0)
     warmup_ratio: float = setting(0.04, "share of the steps with a linear warmup")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    batch_size: int = setting(1, "sequences per micro-batch in each process")
-    grad_accum: int = setting(4, "micro-batches per optimizer step")
-    max_grad_norm: float = setting(1.0, "gradient clipping norm")
+    weight_decay: float = setting(0.0, "AdamW weight decay", at_least=0)
+    batch_size: int = setting(1, "sequences per micro-batch in each process", at_least=1)
+    grad_accum: int = setting(4, "micro-batches per optimizer step", at_least=1)
+    max_grad_norm: float = setting(1.0, "gradient clipping norm", above=0)
     distill_weight: float = setting(
         0.0, "0: hard labels; 1: cross-entropy to the target's stored top-k probabilities (needs --store-top-k); "
         "between: a mix")
     loss_chunk: int = setting(1024, "block positions per pass through the output head; bounds the logits' memory",
-                              result=False)
+                              result=False, at_least=1)
     compute_dtype: str = setting(
         "auto", "precision of the draft's training passes (autocast: its weights, the optimizer and the evaluation's "
         "decoding stay in float32); bfloat16 trains ~1.6x faster on a CPU with native bfloat16 instructions "
         "(avx512_bf16 or AMX) at the same loss, and is slower where they are emulated",
         shown="auto = the target weights' dtype", choices=COMPUTE_DTYPES)
-    checkpoint_every: int = setting(200, "steps between checkpoints", result=False)
-    keep_checkpoints: int = setting(2, "newest checkpoints kept", result=False)
-    log_every: int = setting(10, "steps between lines of the run's metrics.jsonl", result=False)
+    checkpoint_every: int = setting(200, "steps between checkpoints", result=False, at_least=1)
+    keep_checkpoints: int = setting(2, "newest checkpoints kept", result=False, at_least=1)
+    log_every: int = setting(10, "steps between lines of the run's metrics.jsonl", result=False, at_least=1)
     eval_every: int = setting(
         500, "steps between evaluations of tau (greedy decoding replayed on the target's answers); 0 = at the end "
-        "only", group="evaluation")
-    eval_max_new_tokens: int = setting(128, "length of the target's answer to each evaluation prompt, written once")
+        "only", group="evaluation", at_least=0)
+    eval_max_new_tokens: int = setting(128, "length of the target's answer to each evaluation prompt, written once",
+                                       at_least=1)
     seed: int = setting(
         0, "seed of the training (the draft's initialisation, anchors and data order); in `flashdraft train` also of "
-        "the prompt mix and the held-out split, unless --train-seed gives the training its own", group="seeds")
+        "the prompt mix and the held-out split, unless --train-seed gives the training its own", group="seeds",
+        at_least=0)
 
     def __post_init__(self):
-        positive = {"num_anchors": self.num_anchors, "epochs": self.epochs, "batch_size": self.batch_size,
-                    "grad_accum": self.grad_accum, "checkpoint_every": self.checkpoint_every,
-                    "keep_checkpoints": self.keep_checkpoints, "loss_chunk": self.loss_chunk,
-                    "log_every": self.log_every, "eval_max_new_tokens": self.eval_max_new_tokens}
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps}")
+        check_ranges(self)
         if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.learning_rate <= 0 or self.max_grad_norm <= 0:
-            raise ValueError("learning_rate and max_grad_norm must be positive")
+            raise ValueError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.loss_weights not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weights must be one of {', '.join(LOSS_WEIGHTINGS)}, got {self.loss_weights!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -138,18 +131,18 @@ class PipelineConfig(TrainConfig):
     run_name: str = setting(
         "default", "name of the training run inside the work folder; a run resumes from its last checkpoint, so "
         "give a new name to train with other settings", result=False)
-    draft_layers: int = setting(2, "decoder layers of the draft")
+    draft_layers: int = setting(2, "decoder layers of the draft", at_least=1)
     block_size: int = setting(16, "tokens per block, anchor included; train at the block size you decode with")
     feature_layers: int | tuple[int, ...] = setting(
         5, "target layers the draft reads: a comma list (e.g. 1,8,14,20,27) or a count spread evenly from layer 1 "
         "to the fourth-last", type=str)
     mask_token_id: int | None = setting(
         None, "token id of the block's mask positions: a special token that never occurs in text",
-        shown="the registry's choice for registry targets, else the tokenizer's mask token", type=int)
+        shown="the registry's choice for registry targets, else the tokenizer's mask token", type=int, at_least=0)
     draft_vocab_size: int = setting(
         8192, "draft over the N tokens most frequent in the target's outputs (the loss and the drafting head use "
         "only those rows; the ids are saved with the draft); 0 = the full vocabulary",
-        shown="{}, or the full vocabulary when it is not larger than twice that")
+        shown="{}, or the full vocabulary when it is not larger than twice that", at_least=0)
     draft_vocab_corpus: Path | None = setting(
         None, "choose the drafting vocabulary from the answers of this corpus folder (e.g. corpus/TARGET of the "
         "repository), less this run's held-out records, instead of from this run's training labels: a larger sample "
@@ -173,7 +166,7 @@ class PipelineConfig(TrainConfig):
     threads: int | None = setting(
         None, "torch CPU threads; on a CPU shared with other jobs use 1, or set OMP_WAIT_POLICY=PASSIVE in the "
         "environment: spinning threads can make training several times slower",
-        shown="torch's choice, one per core", type=int, result=False)
+        shown="torch's choice, one per core", type=int, result=False, at_least=1)
     until: str = setting("train", "stop after this stage", shown="{}, the whole pipeline", choices=STAGES,
                          result=False)
 
@@ -187,9 +180,10 @@ class PipelineConfig(TrainConfig):
         shown=f"{','.join(DEFAULT_SOURCES)} without --prompts, none with it", type=str)
     proportions: dict[str, float] = setting(
         DEFAULT_PROPORTIONS, "mix of the built-in sources as name=weight pairs", type=str)
-    num_prompts: int = setting(1000, "prompts drawn from the built-in sources")
+    num_prompts: int = setting(1000, "prompts drawn from the built-in sources", at_least=1)
     max_prompt_chars: int = setting(
-        3000, "cut longer prompt messages (and responses) to this many characters rather than dropping them")
+        3000, "cut longer prompt messages (and responses) to this many characters rather than dropping them",
+        at_least=1)
     skip_eval_check: bool = setting(
         False, "do not check prompts against the evaluation sets (for machines without the evaluation packages; "
         "the benchmark figures of such a draft may be contaminated)", shown="")
@@ -200,17 +194,17 @@ class PipelineConfig(TrainConfig):
         "target's greedy prediction at each position of the prompts' existing responses, at the cost of one forward "
         "(several times faster; prompts without a response are skipped); both",
         choices=(*LABEL_KINDS, "both"), group="target-written data")
-    max_new_tokens: int = setting(256, "longest regenerated or labelled response, in tokens")
-    temperature: float = setting(0.0, "regeneration temperature; 0 = greedy")
+    max_new_tokens: int = setting(256, "longest regenerated or labelled response, in tokens", at_least=1)
+    temperature: float = setting(0.0, "regeneration temperature; 0 = greedy", at_least=0)
     store_top_k: int = setting(
         0, "store the target's K most probable tokens and their probabilities at every response position, for "
-        "--distill-weight; 0 = none")
+        "--distill-weight; 0 = none", at_least=0)
     label_minutes: float | None = setting(
         None, "spend at most this many minutes writing labels in this run, then train on the records written so far "
         "(a later run continues the labelling; 0 = train on what exists)", shown="no limit", type=float,
-        result=False)  # the records it leaves are part of the run's data, which the trainer checks
+        result=False, at_least=0)  # the records it leaves are part of the run's data, which the trainer checks
     data_batch_size: int = setting(8, "prompts per target batch in regeneration, labelling and feature extraction",
-                                   result=False)
+                                   result=False, at_least=1)
 
     # features
     features: str = setting(
@@ -220,20 +214,20 @@ class PipelineConfig(TrainConfig):
     feature_dtype: str = setting(
         "float16", "storage dtype of offline features", shown="{}, 2 bytes per value",
         choices=("float16", "bfloat16", "float32"))
-    max_length: int = setting(2048, "truncate training sequences to this many tokens")
+    max_length: int = setting(2048, "truncate training sequences to this many tokens", at_least=1)
 
     # evaluation and seeds (the trainer's own are inherited)
     eval_sets: tuple[str, ...] = setting(
         (HELDOUT_SET,), f"prompt sets to measure tau on, comma separated: {HELDOUT_SET} (prompts of held-out "
         f"records), built-in {', '.join(DATASETS)} (their last prompts, apart from the usual benchmark samples), or "
         ".jsonl files; the draft with the best mean tau is kept", type=str, group="evaluation")
-    eval_prompts: int = setting(16, "prompts per evaluation set")
+    eval_prompts: int = setting(16, "prompts per evaluation set", at_least=1)
     heldout: int = setting(
-        16, "records kept out of training for held-out loss, accuracy and the heldout prompt set")
+        16, "records kept out of training for held-out loss, accuracy and the heldout prompt set", at_least=1)
     train_seed: int | None = setting(
         None, "seed of the training alone: the draft's initialisation, anchors and data order; the prompt mix and "
         "the held-out split keep --seed, so a replicate trains in the same work folder on the same data",
-        shown="--seed", type=int, group="seeds")
+        shown="--seed", type=int, group="seeds", at_least=0)
 
     def __post_init__(self):
         # The command line's text forms, parsed; then every check that needs no model, so that a bad setting fails
@@ -242,11 +236,13 @@ class PipelineConfig(TrainConfig):
         self.work_dir = None if self.work_dir is None else Path(self.work_dir)
         self.init_draft = None if self.init_draft is None else Path(self.init_draft)
         self.draft_vocab_corpus = None if self.draft_vocab_corpus is None else Path(self.draft_vocab_corpus)
-        from .corpus import MANIFEST  # imports numpy: not at the top, where the parser reads this
+        from .corpus import check_corpus_folder  # imports numpy: not at the top, where the parser reads this
 
-        if self.draft_vocab_corpus is not None and not (self.draft_vocab_corpus / MANIFEST).is_file():
-            raise ValueError(f"--draft-vocab-corpus {self.draft_vocab_corpus} holds no corpus (no {MANIFEST}): "
-                             "give a corpus folder, e.g. corpus/TARGET of the repository")
+        if self.init_draft is not None and not (self.init_draft / "config.json").is_file():
+            raise ValueError(f"--init-draft {self.init_draft} is not a draft folder (no config.json): give the folder "
+                             "of a trained draft, e.g. a run's OUT/final or flashdraft/drafts/TARGET")
+        if self.draft_vocab_corpus is not None:
+            check_corpus_folder(self.draft_vocab_corpus, "--draft-vocab-corpus")
         files = [self.prompts] if isinstance(self.prompts, str | Path) else self.prompts
         self.prompts = tuple(Path(file) for file in files)
         self.feature_layers = _parse_feature_layers(self.feature_layers)
@@ -254,6 +250,7 @@ class PipelineConfig(TrainConfig):
             none = isinstance(self.sources, str) and self.sources.strip() == "none"
             self.sources = () if none else _comma_list(self.sources)
         self.proportions = _parse_proportions(self.proportions)
+        check_ranges(self)  # the data stages' numbers too (train_config() below checks only the trainer's)
         self.eval_sets = _comma_list(self.eval_sets)
         check_prompt_sets(self.eval_sets)
         for item in fields(self):
@@ -263,12 +260,8 @@ class PipelineConfig(TrainConfig):
         from .blocks import check_training_block_size  # imports torch: not at the top, where the parser reads this
 
         check_training_block_size(self.block_size)
-        if self.draft_layers < 1:
-            raise ValueError(f"--draft-layers must be at least 1, got {self.draft_layers}")
         if self.distill_weight > 0 and self.store_top_k <= 0:
             raise ValueError("--distill-weight needs the target's top-k probabilities: add --store-top-k K (e.g. 8)")
-        if self.label_minutes is not None and self.label_minutes < 0:
-            raise ValueError(f"--label-minutes must be >= 0, got {self.label_minutes}")
         unknown = [name for name in self.sources or () if name not in SOURCES]
         if unknown:
             raise ValueError(f"unknown prompt sources {unknown}: choose among {', '.join(SOURCES)}, or 'none'")
@@ -330,6 +323,18 @@ def _parse_proportions(value: str | Mapping[str, float]) -> dict[str, float]:
         except ValueError:
             raise ValueError(f"--proportions takes name=weight pairs, got {item!r}") from None
     return proportions
+
+
+def check_ranges(config: TrainConfig) -> None:
+    """Every number within its setting's range (`at_least`, `above`; None where a setting allows it is unset)."""
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if "at_least" in item.metadata and not value >= item.metadata["at_least"]:
+            raise ValueError(f"{flag(item)} must be at least {item.metadata['at_least']}, got {value}")
+        if "above" in item.metadata and not value > item.metadata["above"]:
+            raise ValueError(f"{flag(item)} must be above {item.metadata['above']}, got {value}")
 
 
 def flag(item: Field) -> str:

@@ -75,6 +75,13 @@ def read_manifest(folder: str | Path) -> dict:
     return manifest
 
 
+def check_corpus_folder(folder: str | Path, option: str = "--corpus") -> None:
+    """Refuse a folder that holds no corpus (a mistyped path, or corpus/TARGET read outside the repository)."""
+    if not (Path(folder) / MANIFEST).is_file():
+        raise ValueError(f"{option} {folder} holds no corpus (no {MANIFEST}): give a corpus folder, e.g. corpus/TARGET "
+                         "of the repository (a relative path is read from the current folder)")
+
+
 def read_corpus(folder: str | Path) -> Iterator[TrainingRecord]:
     """Every record of the corpus, shard by shard, each shard's checksum verified first."""
     folder = Path(folder)

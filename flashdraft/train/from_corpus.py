@@ -43,7 +43,7 @@ from ..text import stop_token_ids
 from .averaging import average_drafts
 from .blocks import TrainingSequence
 from .config import HELDOUT_SET, PipelineConfig, TrainConfig, check_prompt_sets, exact_command
-from .corpus import read_corpus, response_counts
+from .corpus import check_corpus_folder, read_corpus, response_counts
 from .drafts import lineage, save_trained_draft, start_from_draft
 from .features import OnlineFeatures, engine_features_hint
 from .loss import DraftVocabulary
@@ -70,6 +70,32 @@ class CorpusRun:
     mean: bool = True  # write OUT/mean, the bfloat16 mean of the start and the final draft
     progress: bool = False  # the trainer's progress bar
     words: list[str] = field(default_factory=list)  # the command-line words of these settings, for the card
+
+    def __post_init__(self):
+        # Everything that needs no model, so that a mistake fails before the target loads.
+        self.corpus = Path(self.corpus)
+        check_corpus_folder(self.corpus)
+        for option, path in [("--heldout-ids", self.heldout_ids)] + [("--exclude-ids", p) for p in self.exclude_ids]:
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{option} {path}: no such file (a file of record ids, one a line, e.g. "
+                                 "corpus/TARGET/draws/heldout-v1.txt)")
+        for option, value in (("--seconds", self.seconds), ("--step-seconds", self.step_seconds)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{option} must be above 0, got {value}")
+        if not self.reserve >= 0:
+            raise ValueError(f"--reserve must be at least 0, got {self.reserve}")
+        self.snapshot_fractions()  # its own check
+
+    def snapshot_fractions(self) -> list[float]:
+        """--snapshots as numbers, each in (0, 1)."""
+        try:
+            fractions = [float(part) for part in self.snapshots.split(",") if part.strip()]
+        except ValueError:
+            fractions = [-1.0]
+        if not all(0 < fraction < 1 for fraction in fractions):
+            raise ValueError(f"--snapshots takes fractions of the run between 0 and 1, comma separated (e.g. 0.5,0.75)"
+                             f", got {self.snapshots!r}")
+        return fractions
 
 
 def read_ids(path: Path | None) -> set[str]:
@@ -188,14 +214,15 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     if run.seconds is None and config.max_steps is None:
         raise ValueError("training from a corpus needs --seconds (a time budget) or --max-steps")
     began = time.perf_counter()
-    device = _device(config.device)
-    model, _ = load_target(config.target, device=device, dtype=resolve_dtype(config.dtype, device.type))
-    if (hint := engine_features_hint(model)) is not None:
-        print(hint, flush=True)
+    check_draft_folder(config.init_draft)  # the start draft and its lineage before the target loads
     start = DFlashDraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
     earlier_runs = lineage(config.init_draft)  # read now: a damaged training.json fails before the training
     if config.draft_vocab_corpus is not None:
         choose_vocabulary(start, config.draft_vocab_corpus, config.draft_vocab_size, read_ids(run.heldout_ids))
+    device = _device(config.device)
+    model, _ = load_target(config.target, device=device, dtype=resolve_dtype(config.dtype, device.type))
+    if (hint := engine_features_hint(model)) is not None:
+        print(hint, flush=True)
     vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
     exclude = set().union(*(read_ids(path) for path in run.exclude_ids))
     training, heldout = corpus_sequences(run.corpus, read_ids(run.heldout_ids), config.max_length, exclude)
@@ -226,7 +253,7 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     if plan is None:
         work.mkdir(parents=True, exist_ok=True)
         write_atomic(work / PLAN_FILE, json.dumps({"budget": budget, "steps": steps}) + "\n")
-    marks = sorted({max(1, round(steps * float(f))) for f in run.snapshots.split(",") if f} - {steps})
+    marks = sorted({max(1, round(steps * fraction)) for fraction in run.snapshot_fractions()} - {steps})
     print(f"{len(training)} training records, {len(heldout)} held out; global batch {global_batch}, {epoch_steps} "
           f"steps an epoch; {steps} steps ({rate}); snapshots at {marks}", flush=True)
 
@@ -288,6 +315,7 @@ def evaluate_drafts(drafts: Sequence[str | Path], *, target: str, corpus: Path, 
     check_prompt_sets(sets)  # this, the drafts' folders and the held-out records before the target loads
     for folder in drafts:
         check_draft_folder(Path(folder))
+    check_corpus_folder(corpus)
     _, heldout = corpus_sequences(corpus, read_ids(heldout_ids), max_length)
     if not heldout:
         raise ValueError("evaluating drafts needs --heldout-ids: the records to measure on")

@@ -366,6 +366,10 @@ def run_pipeline(config: PipelineConfig) -> TrainSummary | None:
     work = work_folder(config)
     output = config.output.expanduser().resolve()
     settings = None if distributed else prompt_settings(config)
+    if config.init_draft is not None:  # read after the data stages: a damaged folder must fail before them
+        from ..draft import check_draft_folder
+
+        check_draft_folder(config.init_draft)
     if dist.is_main:
         if output.is_dir() and not (output / "config.json").is_file() and any(output.iterdir()):
             raise ValueError(f"{output} exists and is not a draft folder: choose an empty or new --output")

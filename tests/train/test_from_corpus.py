@@ -219,3 +219,41 @@ def test_a_budgeted_run_killed_midway_resumes_with_its_first_starts_step_count(t
     assert not re.search(r"^step [1-4]/9: ", printed, re.M)
     assert json.loads((tmp_path / "out" / "float32" / "training.json").read_text())["summary"]["steps"] == 9
     assert next(probes) == 50.0  # the second start probed nothing
+
+
+def test_a_corpus_runs_mistakes_are_refused_by_name_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    corpus, start = corpus_folder(tmp_path / "corpus"), draft_folder(tmp_path / "draft")
+    ids = tmp_path / "ids.txt"
+    ids.write_text("pattern:0\n")
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target loaded before the mistake was found")
+
+    monkeypatch.setattr("flashdraft.train.from_corpus.load_target", no_target)
+    base = ["train", "--target", "unused", "-o", str(tmp_path / "out"), "--device", "cpu", "--max-steps", "2"]
+    mistakes = {
+        ("--corpus", str(tmp_path), "--init-draft", str(start)): f"--corpus {tmp_path} holds no corpus (no manifest",
+        ("--corpus", str(corpus), "--init-draft", str(tmp_path)): f"--init-draft {tmp_path} is not a draft folder",
+        ("--corpus", str(corpus), "--init-draft", str(start), "--heldout-ids", str(tmp_path / "no.txt")):
+            f"--heldout-ids {tmp_path / 'no.txt'}: no such file",
+        ("--corpus", str(corpus), "--init-draft", str(start), "--exclude-ids", str(ids), "--exclude-ids",
+         str(tmp_path / "no.txt")): f"--exclude-ids {tmp_path / 'no.txt'}: no such file",
+        ("--corpus", str(corpus), "--init-draft", str(start), "--seconds", "0"): "--seconds must be above 0, got 0.0",
+        ("--corpus", str(corpus), "--init-draft", str(start), "--step-seconds", "-2"): "--step-seconds must be above 0",
+        ("--corpus", str(corpus), "--init-draft", str(start), "--reserve", "-1"): "--reserve must be at least 0",
+        ("--corpus", str(corpus), "--init-draft", str(start), "--snapshots", "0.5,1"): "--snapshots takes fractions",
+        ("--corpus", str(corpus), "--init-draft", str(start), "--snapshots", "half"): "--snapshots takes fractions",
+    }
+    for words, message in mistakes.items():
+        assert main(base + list(words)) == 2, words
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    # a folder with a config.json but no weights: the full check, still before the target
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text((start / "config.json").read_text())
+    assert main(base + ["--corpus", str(corpus), "--init-draft", str(tmp_path / "half")]) == 2
+    assert "has no *.safetensors weights" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    evaluate = ["draft", "evaluate", "--target", "unused", "--heldout-ids", str(ids), str(start)]
+    assert main(evaluate + ["--corpus", str(tmp_path)]) == 2
+    assert f"--corpus {tmp_path} holds no corpus" in capsys.readouterr().err

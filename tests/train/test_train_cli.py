@@ -16,7 +16,7 @@ from flashdraft.cli import build_parser, main
 from flashdraft.commands.train import config_from_args
 from flashdraft.draft import DFlashDraftModel, check_draft_folder
 from flashdraft.train import PipelineConfig, run_pipeline
-from flashdraft.train.config import default_of, exact_command, format_setting
+from flashdraft.train.config import default_of, exact_command, flag, format_setting
 from flashdraft.train.records import read_records
 from train.tiny_training import one_thread  # noqa: F401
 
@@ -189,8 +189,8 @@ def test_bad_input_is_reported_before_any_work(target_folder, tmp_path, capsys):
     assert "add --store-top-k K" in err
     err = run_failing(train_args(target_folder, tmp_path, "--mask-token-id", "500"), capsys)
     assert "outside the target's vocabulary" in err
-    assert "--label-minutes must be >= 0" in run_failing(train_args(target_folder, tmp_path, "--label-minutes", "-1"),
-                                                          capsys)
+    err = run_failing(train_args(target_folder, tmp_path, "--label-minutes", "-1"), capsys)
+    assert "--label-minutes must be at least 0, got -1" in err
     (tmp_path / "blocker").write_text("a file where a folder should be")
     err = run_failing(train_args(target_folder, tmp_path) + ["-o", str(tmp_path / "blocker" / "draft")], capsys)
     assert "cannot write the draft" in err
@@ -282,7 +282,8 @@ def test_a_config_parses_the_command_line_text_forms_and_refuses_bad_settings_wh
            "proportions": ("math", "--proportions takes name=weight pairs"),
            "sources": ("math,poetry", "unknown prompt sources ['poetry']"),
            "distill_weight": (0.5, "add --store-top-k K"),
-           "grad_accum": (0, "grad_accum must be a positive integer"),
+           "grad_accum": (0, "--grad-accum must be at least 1, got 0"),
+           "gamma": (0.0, "--gamma must be above 0, got 0.0"),
            "eval_sets": ("heldout,made-up", "unknown dataset 'made-up'")}
     for name, (value, message) in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -532,3 +533,20 @@ def test_a_run_folder_resumes_only_with_the_settings_it_was_trained_with(target_
     assert main(base + ["--lr", "0.01", "--run-name", "lr-0.01", "-o", str(other)]) == 0
     assert (other / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert "--lr 0.01" in json.loads((other / "training.json").read_text())["command"]
+
+
+def test_every_ranged_number_is_refused_below_its_range_when_the_config_is_made(tmp_path):
+    ranged = [item for item in fields(PipelineConfig) if {"at_least", "above"} & set(item.metadata)]
+    assert {"threads", "max_new_tokens", "heldout", "gamma", "draft_vocab_size", "seed"} <= {i.name for i in ranged}
+    for item in ranged:
+        bound = item.metadata.get("at_least", item.metadata.get("above"))
+        below = bound - 1 if "at_least" in item.metadata else bound
+        word = "at least" if "at_least" in item.metadata else "above"
+        with pytest.raises(ValueError, match=re.escape(f"{flag(item)} must be {word} {bound}, got {below}")):
+            PipelineConfig(output=tmp_path / "d", **{item.name: below})
+        PipelineConfig(output=tmp_path / "d", **{item.name: bound + 1})  # inside the range: accepted
+
+
+def test_a_mistyped_init_draft_is_refused_when_the_config_is_made(tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"--init-draft {tmp_path / 'v1'} is not a draft folder")):
+        PipelineConfig(output=tmp_path / "d", init_draft=tmp_path / "v1")
