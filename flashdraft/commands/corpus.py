@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from flashdraft.commands.options import at_least
+
 PID_FILE = "regenerate.pid"
 LOG_FILE = "regenerate.log"
 STOP_WAIT_SECONDS = 30.0  # a regeneration ends within a second of SIGTERM; past this, `stop` says so
@@ -45,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help=f"registry name of the target whose answers these are (default: {DEFAULT_TARGET})")
         sub.add_argument("--corpus", type=Path, default=None,
                          help="corpus folder (default: corpus/TARGET under the current folder)")
-        sub.add_argument("--num-prompts", type=int, default=None,
+        sub.add_argument("--num-prompts", type=at_least(1), default=None,
                          help="prompt count of the regeneration step, which names the work folder (default: the "
                          "target's current step, flashdraft.train.corpus.PROMPT_STEPS)")
         sub.add_argument("--work-dir", type=Path, default=None,

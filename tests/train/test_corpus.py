@@ -223,6 +223,10 @@ def test_the_corpus_command_reports_the_corpus_and_refuses_unknown_targets(tmp_p
     for threads in ("0", "100000"):
         assert main(["corpus", "regenerate", "--corpus", str(tmp_path / "c"), "--threads", threads]) == 2
         assert "--threads must be between 1 and the" in capsys.readouterr().err
+    for action in ("regenerate", "status"):  # 0 is no step (it once meant the target's current one)
+        with pytest.raises(SystemExit):
+            main(["corpus", action, "--corpus", str(tmp_path / "c"), "--num-prompts", "0"])
+        assert "argument --num-prompts: '0' is not an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "home" / "corpus").exists()  # refused before any work
 
 
