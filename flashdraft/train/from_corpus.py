@@ -214,18 +214,18 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     if run.seconds is None and config.max_steps is None:
         raise ValueError("training from a corpus needs --seconds (a time budget) or --max-steps")
     began = time.perf_counter()
-    check_draft_folder(config.init_draft)  # the start draft and its lineage before the target loads
+    check_draft_folder(config.init_draft)  # the start draft, its lineage and the corpus before the target loads
     start = DFlashDraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
     earlier_runs = lineage(config.init_draft)  # read now: a damaged training.json fails before the training
     if config.draft_vocab_corpus is not None:
         choose_vocabulary(start, config.draft_vocab_corpus, config.draft_vocab_size, read_ids(run.heldout_ids))
+    exclude = set().union(*(read_ids(path) for path in run.exclude_ids))
+    training, heldout = corpus_sequences(run.corpus, read_ids(run.heldout_ids), config.max_length, exclude)
     device = _device(config.device)
     model, _ = load_target(config.target, device=device, dtype=resolve_dtype(config.dtype, device.type))
     if (hint := engine_features_hint(model)) is not None:
         print(hint, flush=True)
     vocabulary = drafting_vocabulary(start, model.get_input_embeddings().weight.shape[0])
-    exclude = set().union(*(read_ids(path) for path in run.exclude_ids))
-    training, heldout = corpus_sequences(run.corpus, read_ids(run.heldout_ids), config.max_length, exclude)
     features = OnlineFeatures(model, start.target_layer_ids)
     # No evaluation sets here: the held-out records are measured by `evaluate_drafts`, after the run.
     train_config = replace(config.train_config(), eval_every=0)

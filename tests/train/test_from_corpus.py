@@ -253,6 +253,10 @@ def test_a_corpus_runs_mistakes_are_refused_by_name_before_the_target_loads(tmp_
     (tmp_path / "half" / "config.json").write_text((start / "config.json").read_text())
     assert main(base + ["--corpus", str(corpus), "--init-draft", str(tmp_path / "half")]) == 2
     assert "has no *.safetensors weights" in capsys.readouterr().err
+    (tmp_path / "other.txt").write_text("elsewhere:1\n")
+    assert main(base + ["--corpus", str(corpus), "--init-draft", str(start), "--heldout-ids",
+                        str(tmp_path / "other.txt")]) == 2
+    assert "1 held-out ids are not in" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     evaluate = ["draft", "evaluate", "--target", "unused", "--heldout-ids", str(ids), str(start)]
     assert main(evaluate + ["--corpus", str(tmp_path)]) == 2
