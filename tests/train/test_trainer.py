@@ -5,6 +5,7 @@ the best draft, writes the output folder, and stops bad input before any work.""
 import json
 import math
 import random
+import re
 import shutil
 import time
 from collections import namedtuple
@@ -533,11 +534,15 @@ def test_unwritable_or_full_run_folder_is_refused(tmp_path, monkeypatch):
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="num_anchors"):
+    with pytest.raises(ValueError, match="--num-anchors must be at least 1, got 0"):
         TrainConfig(num_anchors=0)
+    with pytest.raises(ValueError, match="--max-steps must be at least 1, got 0"):
+        TrainConfig(max_steps=0)
+    with pytest.raises(ValueError, match="--lr must be above 0, got 0"):
+        TrainConfig(learning_rate=0)
     with pytest.raises(ValueError, match="distill_weight"):
         TrainConfig(distill_weight=1.5)
-    with pytest.raises(ValueError, match="warmup_ratio"):
+    with pytest.raises(ValueError, match=re.escape("--warmup-ratio must be in [0, 1), got 1.0")):
         TrainConfig(warmup_ratio=1.0)
     with pytest.raises(ValueError, match="loss_weights must be one of decay, acceptance"):
         TrainConfig(loss_weights="uniform")
