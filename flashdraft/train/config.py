@@ -329,8 +329,11 @@ def check_ranges(config: TrainConfig) -> None:
     """Every number within its setting's range (`at_least`, `above`; None where a setting allows it is unset)."""
     for item in fields(config):
         value = getattr(config, item.name)
-        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        if value is None or not {"at_least", "above"} & set(item.metadata):
             continue
+        whole = str(item.type).startswith("int")  # the annotation, a string under postponed evaluation
+        if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
+            raise ValueError(f"{flag(item)} must be {'an integer' if whole else 'a number'}, got {value!r}")
         if "at_least" in item.metadata and not value >= item.metadata["at_least"]:
             raise ValueError(f"{flag(item)} must be at least {item.metadata['at_least']}, got {value}")
         if "above" in item.metadata and not value > item.metadata["above"]:

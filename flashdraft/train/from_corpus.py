@@ -217,10 +217,11 @@ def train_from_corpus(config: PipelineConfig, run: CorpusRun) -> None:
     check_draft_folder(config.init_draft)  # the start draft, its lineage and the corpus before the target loads
     start = DFlashDraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
     earlier_runs = lineage(config.init_draft)  # read now: a damaged training.json fails before the training
+    heldout_ids = read_ids(run.heldout_ids)
     if config.draft_vocab_corpus is not None:
-        choose_vocabulary(start, config.draft_vocab_corpus, config.draft_vocab_size, read_ids(run.heldout_ids))
+        choose_vocabulary(start, config.draft_vocab_corpus, config.draft_vocab_size, heldout_ids)
     exclude = set().union(*(read_ids(path) for path in run.exclude_ids))
-    training, heldout = corpus_sequences(run.corpus, read_ids(run.heldout_ids), config.max_length, exclude)
+    training, heldout = corpus_sequences(run.corpus, heldout_ids, config.max_length, exclude)
     device = _device(config.device)
     model, _ = load_target(config.target, device=device, dtype=resolve_dtype(config.dtype, device.type))
     if (hint := engine_features_hint(model)) is not None:
